@@ -1,0 +1,35 @@
+"""Fixtures shared by the test modules: created checkpoints, engine settings."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# vLLM on CPU reserves `gpu_memory_utilization` (0.92) of RAM for the KV cache
+# by default, which CI machines cannot spare; 1 GiB holds every test's cache.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# `LLM.apply_model` ships test functions to the worker with cloudpickle.
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A created `tiny` O3 checkpoint (tied head, no attention gate)."""
+    from vllm_o3.tools.create import create_checkpoint
+
+    return create_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def gated_checkpoint(tmp_path_factory):
+    """A created `tiny` O3 checkpoint with the per-head attention output gate."""
+    from vllm_o3.tools.create import create_checkpoint
+
+    return create_checkpoint(
+        tmp_path_factory.mktemp("ckpt") / "tiny-gated",
+        "tiny",
+        seed=1,
+        attn_output_gate=True,
+        tie_word_embeddings=False,
+    )

@@ -1,0 +1,100 @@
+"""Broken checkpoints and configs are refused at load, naming what is wrong,
+by the reference and by `vllm serve` (which exits non-zero, leaving no process
+behind)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import vllm_o3  # noqa: F401
+from tests.utils import group_exits, vllm_command
+
+
+def edit_tensors(folder, edit) -> None:
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def edit_config(folder, **fields) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(fields)
+    path.write_text(json.dumps(config))
+
+
+def drop_router_tensor(t):
+    del t["model.layers.1.router.fc1.weight"]
+
+
+def narrow_light_path(t):
+    t["model.layers.2.light.down.weight"] = t["model.layers.2.light.down.weight"][
+        :8
+    ].clone()
+
+
+BROKEN = {
+    "missing_router_tensor": (
+        lambda f: edit_tensors(f, drop_router_tensor),
+        "model.layers.1.router.fc1.weight",
+    ),
+    "wrong_light_shape": (
+        lambda f: edit_tensors(f, narrow_light_path),
+        "model.layers.2.light.down.weight",
+    ),
+    "threshold_high": (
+        lambda f: edit_config(f, router_threshold="high"),
+        "router_threshold",
+    ),
+    "router_layer_out_of_range": (
+        lambda f: edit_config(f, router_layers=[1, 7]),
+        "router_layers",
+    ),
+}
+
+
+@pytest.fixture(params=list(BROKEN))
+def broken(request, tiny_checkpoint, tmp_path):
+    folder = tmp_path / request.param
+    shutil.copytree(tiny_checkpoint, folder)
+    damage, words = BROKEN[request.param]
+    damage(folder)
+    return folder, words
+
+
+def test_reference_refuses_naming_the_field_or_tensor(broken):
+    folder, words = broken
+    with pytest.raises(Exception, match=words.replace(".", r"\.")):
+        AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+def test_vllm_serve_exits_nonzero_naming_the_field_or_tensor(broken):
+    folder, words = broken
+    command = [
+        *vllm_command(),
+        "serve",
+        str(folder),
+        "--port",
+        "0",
+        "--max-model-len",
+        "256",
+    ]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-3000:]
+    assert words in output, output[-3000:]
+    assert group_exits(process.pid), "vllm serve left processes running"

@@ -1,0 +1,1 @@
+"""How the fast paths compute O3: routing and FFN kernels, each beside its reference."""

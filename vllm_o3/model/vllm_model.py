@@ -1,0 +1,262 @@
+"""O3 for vLLM: Llama's layers plus the router, the light path and the head gate.
+
+Attention, rotary embedding, norms, parallel linears, the paged KV cache and
+the LM head are vLLM's own (`LlamaForCausalLM` with an O3 decoder layer). The
+routed FFN runs as one opaque custom op (`torch.ops.vllm.o3_routed_ffn`), so
+torch.compile sees a fixed-shape [T, H] -> [T, H] call whatever the routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+)
+from vllm.model_executor.models.utils import (
+    extract_layer_index,
+    is_pp_missing_parameter,
+)
+from vllm.utils.torch_utils import direct_register_custom_op
+
+from vllm_o3.model.checkpoint import (
+    check_complete,
+    check_tensor,
+    expected_tensor_shapes,
+    is_ignored,
+)
+from vllm_o3.model.config import O3Config
+
+# Checkpoint tensors that load into one fused vLLM parameter:
+# (vLLM parameter name part, checkpoint name part, shard id).
+STACKED_PARAMS = [
+    (".self_attn.qkv_proj.", ".self_attn.q_proj.", "q"),
+    (".self_attn.qkv_proj.", ".self_attn.k_proj.", "k"),
+    (".self_attn.qkv_proj.", ".self_attn.v_proj.", "v"),
+    (".mlp.gate_up_proj.", ".mlp.gate_proj.", 0),
+    (".mlp.gate_up_proj.", ".mlp.up_proj.", 1),
+]
+
+
+class Float32Linear(nn.Module):
+    """A replicated linear layer held and computed in float32 (plain torch, so
+    the result matches the reference's float32 router bit for bit)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=torch.float32),
+            requires_grad=False,
+        )
+        self.bias = nn.Parameter(
+            torch.empty(out_features, dtype=torch.float32), requires_grad=False
+        )
+        for param in (self.weight, self.bias):
+            param.weight_loader = default_weight_loader  # copies with dtype cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class O3Router(nn.Module):
+    """Token scores sigmoid(fc2(silu(fc1(u)))) in float32, so that
+    implementations agree on which side of the threshold a token falls."""
+
+    def __init__(self, hidden_size: int, router_hidden_size: int):
+        super().__init__()
+        self.fc1 = Float32Linear(hidden_size, router_hidden_size)
+        self.fc2 = Float32Linear(router_hidden_size, 1)
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.fc2(F.silu(self.fc1(u.float())))).squeeze(-1)
+
+
+class O3LightPath(nn.Module):
+    """Rank-`light_rank` projection for tokens the router keeps off the full FFN.
+
+    Replicated on every tensor-parallel rank: it is small, and each rank then
+    holds the whole light output without a collective.
+    """
+
+    def __init__(self, hidden_size: int, light_rank: int, prefix: str = ""):
+        super().__init__()
+        self.down = ReplicatedLinear(
+            hidden_size, light_rank, bias=False, prefix=f"{prefix}.down"
+        )
+        self.up = ReplicatedLinear(
+            light_rank, hidden_size, bias=False, prefix=f"{prefix}.up"
+        )
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        x, _ = self.down(u)
+        x, _ = self.up(x)
+        return x
+
+
+class O3Attention(LlamaAttention):
+    """Llama attention with O3's optional per-head sigmoid gate before `o_proj`."""
+
+    def __init__(self, config: O3Config, hidden_size: int, num_heads: int, **kwargs):
+        super().__init__(
+            config=config, hidden_size=hidden_size, num_heads=num_heads, **kwargs
+        )
+        self.gate_proj = None
+        if config.attn_output_gate:
+            # Column-parallel over heads, like the query heads it gates.
+            self.gate_proj = ColumnParallelLinear(
+                hidden_size,
+                num_heads,
+                bias=False,
+                prefix=f"{kwargs.get('prefix', '')}.gate_proj",
+            )
+
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> torch.Tensor:
+        if self.gate_proj is None:
+            return super().forward(positions, hidden_states)
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v)
+        gate, _ = self.gate_proj(hidden_states)
+        attn_output = attn_output.view(-1, self.num_heads, self.head_dim)
+        attn_output = attn_output * torch.sigmoid(gate).unsqueeze(-1)
+        output, _ = self.o_proj(attn_output.view(-1, self.q_size))
+        return output
+
+
+class O3DecoderLayer(LlamaDecoderLayer):
+    """A Llama layer whose FFN, in routed layers, is O3's routed FFN."""
+
+    def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None):
+        super().__init__(vllm_config, prefix, config, attn_layer_type=O3Attention)
+        config = config or vllm_config.model_config.hf_config
+        self.is_routed = config.is_routed(extract_layer_index(prefix))
+        if not self.is_routed:
+            return
+        self.router = O3Router(config.hidden_size, config.router_hidden_size)
+        self.light = O3LightPath(
+            config.hidden_size, config.light_rank, prefix=f"{prefix}.light"
+        )
+        self.router_threshold = float(config.router_threshold)
+        # Set to a list to record every call's router scores (parity tests, debugging).
+        self.recorded_scores: list[torch.Tensor] | None = None
+        # The custom op finds this layer by name, as vLLM's attention op does.
+        self.routed_ffn_name = f"{prefix}.routed_ffn"
+        static_context = (
+            get_current_vllm_config().compilation_config.static_forward_context
+        )
+        if self.routed_ffn_name in static_context:
+            raise ValueError(f"duplicate layer name {self.routed_ffn_name}")
+        static_context[self.routed_ffn_name] = self
+
+    def routed_ffn(self, u: torch.Tensor) -> torch.Tensor:
+        """Full FFN for tokens scoring >= threshold, light path for the rest.
+
+        The decision depends on each token alone, so every tensor-parallel rank
+        (same replicated router, same input) takes the same split.
+        """
+        scores = self.router(u)
+        if self.recorded_scores is not None:
+            self.recorded_scores.append(scores.cpu())
+        heavy = scores >= self.router_threshold
+        heavy_rows = heavy.nonzero().squeeze(1)
+        light_rows = (~heavy).nonzero().squeeze(1)
+        y = torch.empty_like(u)
+        if heavy_rows.numel():
+            y[heavy_rows] = self.mlp(u[heavy_rows])
+        if light_rows.numel():
+            y[light_rows] = self.light(u[light_rows])
+        return y
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions=positions, hidden_states=hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        if self.is_routed:
+            hidden_states = torch.ops.vllm.o3_routed_ffn(
+                hidden_states, self.routed_ffn_name
+            )
+        else:
+            hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual
+
+
+def o3_routed_ffn(u: torch.Tensor, layer_name: str) -> torch.Tensor:
+    layer = get_forward_context().no_compile_layers[layer_name]
+    return layer.routed_ffn(u)
+
+
+def o3_routed_ffn_fake(u: torch.Tensor, layer_name: str) -> torch.Tensor:
+    return torch.empty_like(u)
+
+
+direct_register_custom_op(
+    op_name="o3_routed_ffn", op_func=o3_routed_ffn, fake_impl=o3_routed_ffn_fake
+)
+
+
+class O3ForCausalLM(LlamaForCausalLM):
+    """vLLM's O3 model: `LlamaForCausalLM` with O3 decoder layers and a loader
+    that checks every tensor against the spec."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        config = vllm_config.model_config.hf_config
+        if not isinstance(config, O3Config):
+            raise TypeError(
+                f"O3ForCausalLM needs an O3Config, got {type(config).__name__}"
+            )
+        config.validate()  # again: --hf-overrides may have changed fields
+        super().__init__(
+            vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        expected = expected_tensor_shapes(self.config)
+        params = dict(self.named_parameters())
+        seen: set[str] = set()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if is_ignored(name, self.config):
+                continue
+            check_tensor(name, tuple(tensor.shape), expected)
+            seen.add(name)
+            param_name, shard_id = self._param_name(name)
+            if is_pp_missing_parameter(param_name, self):
+                continue
+            param = params[param_name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            if shard_id is None:
+                weight_loader(param, tensor)
+            else:
+                weight_loader(param, tensor, shard_id)
+            loaded.add(param_name)
+        check_complete(seen, expected)
+        return loaded
+
+    @staticmethod
+    def _param_name(name: str) -> tuple[str, str | int | None]:
+        """The vLLM parameter (and shard) a checkpoint tensor loads into."""
+        for param_part, checkpoint_part, shard_id in STACKED_PARAMS:
+            if checkpoint_part in name:
+                return name.replace(checkpoint_part, param_part), shard_id
+        return name, None

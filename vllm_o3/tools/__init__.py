@@ -1,0 +1,1 @@
+"""Tools that make O3 checkpoints (`vllm-o3 ...`)."""
