@@ -11,6 +11,10 @@ import pytest
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 # `LLM.apply_model` ships test functions to the worker with cloudpickle.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+# Without a GPU, Triton kernels run in Triton's interpreter; this must be set
+# before any kernel module is imported.
+if not os.path.exists("/dev/nvidia0"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from tests.utils import (
     vllm_generations,
 )
 from vllm_o3.model.router_trace import (
+    router_counts,
     start_router_trace,
     stop_router_trace,
     take_router_trace,
@@ -72,6 +73,7 @@ def case(request, tiny_checkpoint, gated_checkpoint):
             )
             scores.append(llm.apply_model(take_router_trace)[0])
         llm.apply_model(stop_router_trace)
+        counts = llm.apply_model(router_counts)[0]
         prompt_logprobs = llm.generate(
             PROMPTS, SamplingParams(max_tokens=1, prompt_logprobs=-1), use_tqdm=False
         )
@@ -85,6 +87,7 @@ def case(request, tiny_checkpoint, gated_checkpoint):
         tokenizer=tokenizer,
         generations=generations,
         scores=scores,
+        counts=counts,
         prompt_logprobs=prompt_logprobs,
     )
 
@@ -154,3 +157,18 @@ def test_routing_decisions_match_reference(case):
         f"\n[{case['name']}] routing agreement {agree}/{total} tokens×layers "
         f"({near} within rounding of the threshold)"
     )
+
+
+def test_heavy_counts_follow_the_threshold(case):
+    """Each routed layer's heavy-token count moves with the threshold: all
+    tokens at 0, none above 1, the scores' own share in between."""
+    threshold = case["reference"].config.router_threshold
+    for layer, (heavy, total) in case["counts"].items():
+        traced = torch.cat([s[layer] for s in case["scores"]])
+        assert total == traced.numel()  # real tokens only, no warm-up runs
+        if threshold <= 0:
+            assert heavy == total
+        elif threshold > 1:
+            assert heavy == 0
+        else:
+            assert 0 < heavy < total

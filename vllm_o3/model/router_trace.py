@@ -1,4 +1,4 @@
-"""Reading the router's decisions out of a running vLLM engine.
+"""Reading the router's decisions and counts out of a running vLLM engine.
 
 The model runs in a worker process; these functions are meant for
 `LLM.apply_model` (which needs `VLLM_ALLOW_INSECURE_SERIALIZATION=1` to ship
@@ -10,6 +10,8 @@ them there):
 
 Scores are float32, one per token row the layer computed, in the order the
 engine ran them (a lone request: its prompt, then each decoded token).
+`router_counts` needs no recording: every routed layer always counts its
+tokens (see `router_metrics`).
 """
 
 from __future__ import annotations
@@ -44,3 +46,11 @@ def stop_router_trace(model: nn.Module) -> None:
     """Stop recording (recording copies scores to the CPU on every call)."""
     for _, layer in _routed_layers(model):
         layer.recorded_scores = None
+
+
+def router_counts(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """(heavy tokens, all tokens) each routed layer has seen since start-up."""
+    return {
+        index: tuple(layer.route_counts.tolist())
+        for index, layer in _routed_layers(model)
+    }

@@ -11,11 +11,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    UnquantizedLinearMethod,
+)
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import (
     LlamaAttention,
@@ -28,6 +36,8 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
+from vllm_o3.kernels.routing import routed_ffn_torch, router_scores_torch
 from vllm_o3.model.checkpoint import (
     check_complete,
     check_tensor,
@@ -35,6 +45,7 @@ from vllm_o3.model.checkpoint import (
     is_ignored,
 )
 from vllm_o3.model.config import O3Config
+from vllm_o3.model.router_metrics import ROUTER_COUNTS
 
 # Checkpoint tensors that load into one fused vLLM parameter:
 # (vLLM parameter name part, checkpoint name part, shard id).
@@ -48,8 +59,8 @@ STACKED_PARAMS = [
 
 
 class Float32Linear(nn.Module):
-    """A replicated linear layer held and computed in float32 (plain torch, so
-    the result matches the reference's float32 router bit for bit)."""
+    """Replicated float32 weights for the router (plain torch parameters, so
+    the CPU path computes exactly what the reference's float32 router does)."""
 
     def __init__(self, in_features: int, out_features: int):
         super().__init__()
@@ -63,9 +74,6 @@ class Float32Linear(nn.Module):
         for param in (self.weight, self.bias):
             param.weight_loader = default_weight_loader  # copies with dtype cast
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 class O3Router(nn.Module):
     """Token scores sigmoid(fc2(silu(fc1(u)))) in float32, so that
@@ -77,7 +85,9 @@ class O3Router(nn.Module):
         self.fc2 = Float32Linear(router_hidden_size, 1)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.fc2(F.silu(self.fc1(u.float())))).squeeze(-1)
+        return router_scores_torch(
+            u, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias
+        )
 
 
 class O3LightPath(nn.Module):
@@ -149,8 +159,16 @@ class O3DecoderLayer(LlamaDecoderLayer):
             config.hidden_size, config.light_rank, prefix=f"{prefix}.light"
         )
         self.router_threshold = float(config.router_threshold)
-        # Set to a list to record every call's router scores (parity tests, debugging).
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.kernel_weights: RoutedFFNWeights | None = None
+        # Set to a list to record every call's router scores (router_trace).
         self.recorded_scores: list[torch.Tensor] | None = None
+        # [heavy rows, real rows] so far, on the layer's device (router_metrics).
+        self.register_buffer(
+            "route_counts", torch.zeros(2, dtype=torch.int64), persistent=False
+        )
+        if get_tensor_model_parallel_rank() == 0:  # ranks route alike: count once
+            ROUTER_COUNTS.track(extract_layer_index(prefix), self.route_counts)
         # The custom op finds this layer by name, as vLLM's attention op does.
         self.routed_ffn_name = f"{prefix}.routed_ffn"
         static_context = (
@@ -164,20 +182,66 @@ class O3DecoderLayer(LlamaDecoderLayer):
         """Full FFN for tokens scoring >= threshold, light path for the rest.
 
         The decision depends on each token alone, so every tensor-parallel rank
-        (same replicated router, same input) takes the same split.
+        (same replicated router, same input) takes the same split. On CUDA the
+        Triton path runs without a host sync (CUDA graphs capture it); on the
+        CPU the PyTorch path computes each path on its own rows only.
         """
-        scores = self.router(u)
+        context = get_forward_context()
+        # Profiling and warm-up runs carry no attention metadata and no real
+        # tokens: they are not counted.
+        counting = context.attn_metadata is not None
+        if u.is_cuda:
+            y, scores, bounds = routed_ffn_triton(
+                u,
+                self._kernel_weights(),
+                self.router_threshold,
+                self._padding_mask(context.is_padding, u.shape[0]),
+                tensor_model_parallel_all_reduce if self.tp_size > 1 else None,
+            )
+            if counting:
+                self.route_counts += bounds
+        else:
+            scores = self.router(u)
+            y, num_heavy = routed_ffn_torch(
+                u, scores, self.router_threshold, self.mlp, self.light
+            )
+            if counting:
+                self.route_counts[0] += num_heavy
+                self.route_counts[1] += u.shape[0]
         if self.recorded_scores is not None:
             self.recorded_scores.append(scores.cpu())
-        heavy = scores >= self.router_threshold
-        heavy_rows = heavy.nonzero().squeeze(1)
-        light_rows = (~heavy).nonzero().squeeze(1)
-        y = torch.empty_like(u)
-        if heavy_rows.numel():
-            y[heavy_rows] = self.mlp(u[heavy_rows])
-        if light_rows.numel():
-            y[light_rows] = self.light(u[light_rows])
         return y
+
+    def _kernel_weights(self) -> RoutedFFNWeights:
+        """The tensors the Triton path reads, taken once weights are final."""
+        if self.kernel_weights is None:
+            gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
+            dense = (UnquantizedLinearMethod,)
+            if not all(isinstance(p.quant_method, dense) for p in (gate_up, down)):
+                raise NotImplementedError(
+                    f"{self.routed_ffn_name}: the GPU routed FFN reads dense FFN "
+                    "weights; quantized FFN weights are not supported on this path"
+                )
+            self.kernel_weights = RoutedFFNWeights(
+                fc1_weight=self.router.fc1.weight,
+                fc1_bias=self.router.fc1.bias,
+                fc2_weight=self.router.fc2.weight,
+                fc2_bias=self.router.fc2.bias,
+                gate_up=gate_up.weight,
+                down=down.weight,
+                light_down=self.light.down.weight,
+                light_up=self.light.up.weight,
+            )
+        return self.kernel_weights
+
+    @staticmethod
+    def _padding_mask(
+        is_padding: torch.Tensor | None, num_rows: int
+    ) -> torch.Tensor | None:
+        """vLLM's mask of CUDA-graph padding rows, if it covers these rows."""
+        if is_padding is None or is_padding.shape[0] != num_rows:
+            return None
+        return is_padding
 
     def forward(
         self,

@@ -134,7 +134,9 @@ def create_checkpoint(
     model = O3ForCausalLM(config)
     init_weights(model)
     text = "\n".join(training_text())[: 8 * CALIBRATION_TOKENS]
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :CALIBRATION_TOKENS]
+    ids = tokenizer(
+        text, return_tensors="pt", truncation=True, max_length=CALIBRATION_TOKENS
+    ).input_ids
     calibrate_routers(model, ids.view(4, -1), TARGET_HEAVY_FRACTION)
     model.to(dtype)
     config.dtype = dtype

@@ -1,0 +1,75 @@
+"""The routed FFN in plain PyTorch: the CPU path, and the definitions the GPU
+kernels are tested against.
+
+Every token row gets a route: HEAVY (router score >= threshold: the full FFN),
+LIGHT (the low-rank light path) or PADDING (a row a CUDA graph carries beyond
+the real tokens: computed by neither path, counted by neither).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+HEAVY, LIGHT, PADDING = 0, 1, 2
+
+
+def router_scores_torch(
+    u: torch.Tensor,
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor,
+) -> torch.Tensor:
+    """sigmoid(fc2(silu(fc1(u)))) in float32 (O3_SPEC section 1), shape [T]."""
+    x = F.silu(F.linear(u.float(), fc1_weight.float(), fc1_bias.float()))
+    return torch.sigmoid(F.linear(x, fc2_weight.float(), fc2_bias.float())).squeeze(-1)
+
+
+def routes_torch(
+    scores: torch.Tensor, threshold: float, is_padding: torch.Tensor | None = None
+) -> torch.Tensor:
+    """HEAVY / LIGHT / PADDING per row, int8."""
+    route = torch.where(scores >= threshold, HEAVY, LIGHT).to(torch.int8)
+    if is_padding is not None:
+        route = torch.where(is_padding, PADDING, route).to(torch.int8)
+    return route
+
+
+def partition_rows(route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row indices grouped as heavy, light, padding (each in row order), and
+    the group bounds (number of heavy rows, number of real rows) as an int64
+    device tensor: no host sync, so it can be captured in a CUDA graph."""
+    order = torch.argsort(route, stable=True)
+    bounds = torch.stack([(route == HEAVY).sum(), (route != PADDING).sum()])
+    return order, bounds
+
+
+def routed_ffn_torch(
+    u: torch.Tensor,
+    scores: torch.Tensor,
+    threshold: float,
+    heavy_ffn: Callable[[torch.Tensor], torch.Tensor],
+    light_path: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, int]:
+    """Heavy rows through `heavy_ffn`, the rest through `light_path`, each on
+    only its own rows; returns (output, number of heavy rows).
+
+    Reads the heavy count on the host, which costs nothing on the CPU; a batch
+    that goes all one way (every decode step of a lone request) needs no
+    gather at all.
+    """
+    heavy = scores >= threshold
+    num_heavy = int(heavy.sum())
+    if num_heavy == u.shape[0]:
+        return heavy_ffn(u), num_heavy
+    if num_heavy == 0:
+        return light_path(u), 0
+    order = torch.argsort(heavy.logical_not().to(torch.int8), stable=True)
+    heavy_rows, light_rows = order[:num_heavy], order[num_heavy:]
+    y = torch.empty_like(u)
+    y.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
+    y.index_copy_(0, light_rows, light_path(u.index_select(0, light_rows)))
+    return y, num_heavy
