@@ -37,3 +37,12 @@ def gated_checkpoint(tmp_path_factory):
         attn_output_gate=True,
         tie_word_embeddings=False,
     )
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(tmp_path_factory):
+    """A created `small` O3 checkpoint: slow enough on a CPU that a long
+    request holds its slot for many seconds."""
+    from vllm_o3.tools.create import create_checkpoint
+
+    return create_checkpoint(tmp_path_factory.mktemp("ckpt") / "small", "small", seed=2)

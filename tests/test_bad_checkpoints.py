@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_o3  # noqa: F401
-from tests.utils import group_exits, vllm_command
+from vllm_o3.tools.server import group_exits, vllm_command
 
 
 def edit_tensors(folder, edit) -> None:

@@ -7,7 +7,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.utils import PROMPTS, group_exits, start_server, stop_server
+from tests.utils import PROMPTS, metric, metric_samples
+from vllm_o3.tools.server import group_exits, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -96,20 +97,8 @@ def test_greedy_completion_matches_reference(client, model_name, tiny_checkpoint
     assert reply.choices[0].token_ids == expected.token_ids
 
 
-def router_token_counts(metrics: str) -> dict[tuple[str, str], float]:
-    """{(layer, path): value} from the `o3_router_tokens_total` lines."""
-    counts = {}
-    for line in metrics.splitlines():
-        if line.startswith("o3_router_tokens_total{"):
-            labels, value = line[len("o3_router_tokens_total{") :].split("} ")
-            fields = dict(item.split("=") for item in labels.split(","))
-            counts[fields["layer"].strip('"'), fields["path"].strip('"')] = float(value)
-    return counts
-
-
 def test_metrics_count_routed_tokens_beside_vllms_own(server, client, model_name):
     import time
-    import urllib.request
 
     reply = client.completions.create(
         model=model_name, prompt=PROMPTS[1], max_tokens=4, temperature=0
@@ -117,16 +106,18 @@ def test_metrics_count_routed_tokens_beside_vllms_own(server, client, model_name
     tokens = reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
     deadline = time.monotonic() + 10  # the worker exports once a second
     while True:
-        with urllib.request.urlopen(f"{server.url}/metrics") as response:
-            metrics = response.read().decode()
-        counts = router_token_counts(metrics)
-        layers = {layer for layer, _ in counts}
-        if layers and all(
-            counts[layer, "heavy"] + counts[layer, "light"] >= tokens
-            for layer in layers
+        samples = metric_samples(server.url)
+        routed = {
+            dict(labels)["layer"]
+            for name, labels in samples
+            if name == "o3_router_tokens_total"
+        }
+        if routed and all(
+            metric(samples, "o3_router_tokens_total", layer=layer) >= tokens
+            for layer in routed
         ):
             break
-        assert time.monotonic() < deadline, f"router counts stayed at {counts}"
+        assert time.monotonic() < deadline, f"router counts too low: {samples}"
         time.sleep(0.5)
-    assert layers == {"1", "2"}  # the tiny preset's routed layers
-    assert "vllm:generation_tokens_total" in metrics
+    assert routed == {"1", "2"}  # the tiny preset's routed layers
+    assert metric(samples, "vllm:generation_tokens_total") > 0

@@ -8,6 +8,8 @@ import shutil
 import sys
 import tempfile
 
+from vllm_o3.quantization.int4_format import QUANT_METHOD
+
 VLLM_MODEL_CLASS = "vllm_o3.model.vllm_model:O3ForCausalLM"
 
 
@@ -21,17 +23,27 @@ def register_with_transformers() -> None:
     AutoModelForCausalLM.register(O3Config, O3ForCausalLM, exist_ok=True)
 
 
+def is_api_server_process() -> bool:
+    """`vllm serve ...` or `python -m vllm.entrypoints.openai.api_server`."""
+    program = os.path.basename(sys.argv[0]) if sys.argv else ""
+    if program == "vllm":
+        return sys.argv[1:2] == ["serve"]
+    return sys.argv[0].endswith(os.path.join("openai", "api_server.py"))
+
+
 def share_worker_metrics() -> None:
     """Let Prometheus counters of the engine and worker processes (the router
     statistics) reach the API server's `/metrics`.
 
     vLLM collects other processes' metrics only from a multiprocess directory
     set before its processes start. Plugins load before vLLM creates any
-    metric, so this sets one up (the processes started later inherit it; it is
-    removed at exit) and switches prometheus_client, which `vllm serve` has
-    already imported, to file-backed values for the metrics still to come.
+    metric, so in the API server's process this sets one up (the processes it
+    starts inherit it; it is removed at exit) and switches prometheus_client,
+    which `vllm serve` has already imported, to file-backed values for the
+    metrics still to come. Other processes (offline `LLM` scripts, tests) are
+    left alone: a directory they set would leak into servers they start.
     """
-    if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+    if "PROMETHEUS_MULTIPROC_DIR" in os.environ or not is_api_server_process():
         return
     path = tempfile.mkdtemp(prefix="vllm-o3-prometheus-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
@@ -44,10 +56,19 @@ def share_worker_metrics() -> None:
 
 
 def register() -> None:
-    """vLLM plugin entry point: O3's config, model class and extensions."""
+    """vLLM plugin entry point: O3's config, model class, metrics and the
+    `o3_int4` quantization method."""
     from vllm import ModelRegistry
+    from vllm.model_executor.layers.quantization import (
+        QUANTIZATION_METHODS,
+        register_quantization_config,
+    )
 
     register_with_transformers()
     share_worker_metrics()
     if "O3ForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("O3ForCausalLM", VLLM_MODEL_CLASS)
+    if QUANT_METHOD not in QUANTIZATION_METHODS:
+        from vllm_o3.quantization.o3_int4 import O3Int4Config
+
+        register_quantization_config(QUANT_METHOD)(O3Int4Config)

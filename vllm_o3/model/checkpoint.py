@@ -11,7 +11,10 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from vllm_o3.model.config import O3Config
+from vllm_o3.quantization.int4_format import Int4Weight, dequantize
 
 
 class CheckpointError(ValueError):
@@ -45,11 +48,16 @@ def expected_tensor_shapes(config: O3Config) -> dict[str, tuple[int, ...]]:
                 f"{p}.self_attn.k_proj.weight": (kv_out, H),
                 f"{p}.self_attn.v_proj.weight": (kv_out, H),
                 f"{p}.self_attn.o_proj.weight": (H, q_out),
-                f"{p}.mlp.gate_proj.weight": (intermediate, H),
-                f"{p}.mlp.up_proj.weight": (intermediate, H),
-                f"{p}.mlp.down_proj.weight": (H, intermediate),
             }
         )
+        for name, (out_features, in_features) in (
+            ("mlp.gate_proj", (intermediate, H)),
+            ("mlp.up_proj", (intermediate, H)),
+            ("mlp.down_proj", (H, intermediate)),
+        ):
+            shapes.update(
+                ffn_tensor_shapes(f"{p}.{name}", out_features, in_features, config)
+            )
         if config.attn_output_gate:
             shapes[f"{p}.self_attn.gate_proj.weight"] = (config.num_attention_heads, H)
         if config.is_routed(i):
@@ -64,6 +72,22 @@ def expected_tensor_shapes(config: O3Config) -> dict[str, tuple[int, ...]]:
                     f"{p}.light.up.weight": (H, r),
                 }
             )
+    return shapes
+
+
+def ffn_tensor_shapes(
+    name: str, out_features: int, in_features: int, config: O3Config
+) -> dict[str, tuple[int, ...]]:
+    """An FFN projection's tensors: 16-bit, or o3_int4's (O3_SPEC section 4)."""
+    if config.int4_format is None:
+        return {f"{name}.weight": (out_features, in_features)}
+    group_size, sym = config.int4_format
+    shapes = {
+        f"{name}.qweight": (in_features // 8, out_features),
+        f"{name}.scales": (in_features // group_size, out_features),
+    }
+    if not sym:
+        shapes[f"{name}.qzeros"] = (in_features // group_size, out_features // 8)
     return shapes
 
 
@@ -112,6 +136,32 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     if not files:
         raise CheckpointError(f"no *.safetensors file in {folder}")
     return files
+
+
+def dense_state_dict(
+    folder: str | os.PathLike, config: O3Config, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """Every tensor of a checked checkpoint folder, INT4 FFN weights
+    dequantized (what the format encodes, exactly), in `dtype` if given."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        tensors.update(load_file(path))
+    if config.int4_format is not None:
+        for name in [n for n in tensors if n.endswith(".qweight")]:
+            base = name.removesuffix(".qweight")
+            packed = Int4Weight(
+                qweight=tensors.pop(name),
+                scales=tensors.pop(f"{base}.scales"),
+                qzeros=tensors.pop(f"{base}.qzeros", None),
+            )
+            tensors[f"{base}.weight"] = dequantize(packed, dtype)
+    if dtype is not None:
+        tensors = {
+            k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()
+        }
+    return tensors
 
 
 def check_checkpoint_folder(folder: str | os.PathLike) -> None:

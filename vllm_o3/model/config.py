@@ -13,6 +13,8 @@ import math
 from huggingface_hub.dataclasses import strict
 from transformers import LlamaConfig
 
+from vllm_o3.quantization.int4_format import parse_quantization_config
+
 
 @strict(accept_kwargs=True)
 class O3Config(LlamaConfig):
@@ -82,6 +84,25 @@ class O3Config(LlamaConfig):
             raise ValueError(
                 f"hidden_act must be 'silu' (SwiGLU FFN), got {self.hidden_act!r}"
             )
+        if self.int4_format is not None:
+            group_size, _ = self.int4_format
+            for name, size in (
+                ("hidden_size", self.hidden_size),
+                ("intermediate_size", self.intermediate_size),
+            ):
+                if size % group_size:
+                    raise ValueError(
+                        f"quantization_config.group_size {group_size} does not "
+                        f"divide {name} {size}"
+                    )
+
+    @property
+    def int4_format(self) -> tuple[int, bool] | None:
+        """(group_size, sym) of an `o3_int4` checkpoint, None if 16-bit."""
+        quantization = getattr(self, "quantization_config", None)
+        if quantization is None:
+            return None
+        return parse_quantization_config(quantization)
 
     def is_routed(self, layer_index: int) -> bool:
         """Whether layer `layer_index` routes tokens between full FFN and light path."""

@@ -29,7 +29,11 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from vllm_o3.model.checkpoint import check_checkpoint_folder
+from vllm_o3.model.checkpoint import (
+    CheckpointError,
+    check_checkpoint_folder,
+    dense_state_dict,
+)
 from vllm_o3.model.config import O3Config
 
 
@@ -166,10 +170,26 @@ class O3PreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """Load like transformers does, but refuse a checkpoint whose tensors do
-        not match the spec (transformers would silently re-initialise them)."""
-        if os.path.isdir(pretrained_model_name_or_path):
-            check_checkpoint_folder(pretrained_model_name_or_path)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        not match the spec (transformers would silently re-initialise them).
+        An `o3_int4` checkpoint loads with its FFN dequantized: the reference
+        computes with exactly the weights the INT4 format encodes."""
+        folder = pretrained_model_name_or_path
+        if not os.path.isdir(folder):
+            return super().from_pretrained(folder, *args, **kwargs)
+        check_checkpoint_folder(folder)
+        config = O3Config.from_pretrained(folder)
+        if config.int4_format is None:
+            return super().from_pretrained(folder, *args, **kwargs)
+        dtype = kwargs.get("dtype") or kwargs.get("torch_dtype") or config.dtype
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        state = dense_state_dict(folder, config, dtype)
+        config.quantization_config = None
+        model = cls(config).to(dtype)
+        missing, _ = model.load_state_dict(state, strict=False)
+        if set(missing) - ({"lm_head.weight"} if config.tie_word_embeddings else set()):
+            raise CheckpointError(f"{folder}: tensors not loaded: {missing}")
+        model.tie_weights()
+        return model.eval()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from vllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     ReplicatedLinear,
@@ -34,10 +35,17 @@ from vllm.model_executor.models.utils import (
     extract_layer_index,
     is_pp_missing_parameter,
 )
+from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
-from vllm_o3.kernels.routing import routed_ffn_torch, router_scores_torch
+from vllm_o3.kernels.routing import (
+    HEAVY,
+    PADDING,
+    routed_ffn_torch,
+    router_scores_torch,
+    routes_torch,
+)
 from vllm_o3.model.checkpoint import (
     check_complete,
     check_tensor,
@@ -46,6 +54,8 @@ from vllm_o3.model.checkpoint import (
 )
 from vllm_o3.model.config import O3Config
 from vllm_o3.model.router_metrics import ROUTER_COUNTS
+
+logger = init_logger(__name__)
 
 # Checkpoint tensors that load into one fused vLLM parameter:
 # (vLLM parameter name part, checkpoint name part, shard id).
@@ -160,6 +170,16 @@ class O3DecoderLayer(LlamaDecoderLayer):
         )
         self.router_threshold = float(config.router_threshold)
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.dense_ffn = all(
+            isinstance(linear.quant_method, UnquantizedLinearMethod)
+            for linear in (self.mlp.gate_up_proj, self.mlp.down_proj)
+        )
+        if not self.dense_ffn and current_platform.is_cuda_alike():
+            logger.warning_once(
+                "O3 routed FFN with o3_int4 on a GPU: the INT4 FFN runs on every "
+                "token and routing picks per token (exact, CUDA-graph safe, but "
+                "no FFN compute saved); the 16-bit FFN takes the routed kernels."
+            )
         self.kernel_weights: RoutedFFNWeights | None = None
         # Set to a list to record every call's router scores (router_trace).
         self.recorded_scores: list[torch.Tensor] | None = None
@@ -191,13 +211,17 @@ class O3DecoderLayer(LlamaDecoderLayer):
         # tokens: they are not counted.
         counting = context.attn_metadata is not None
         if u.is_cuda:
-            y, scores, bounds = routed_ffn_triton(
-                u,
-                self._kernel_weights(),
-                self.router_threshold,
-                self._padding_mask(context.is_padding, u.shape[0]),
-                tensor_model_parallel_all_reduce if self.tp_size > 1 else None,
-            )
+            padding = self._padding_mask(context.is_padding, u.shape[0])
+            if self.dense_ffn:
+                y, scores, bounds = routed_ffn_triton(
+                    u,
+                    self._kernel_weights(),
+                    self.router_threshold,
+                    padding,
+                    tensor_model_parallel_all_reduce if self.tp_size > 1 else None,
+                )
+            else:
+                y, scores, bounds = self._routed_ffn_every_row(u, padding)
             if counting:
                 self.route_counts += bounds
         else:
@@ -212,16 +236,23 @@ class O3DecoderLayer(LlamaDecoderLayer):
             self.recorded_scores.append(scores.cpu())
         return y
 
+    def _routed_ffn_every_row(
+        self, u: torch.Tensor, padding: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """INT4 FFN on a GPU: vLLM's INT4 kernels take whole batches, so the
+        full FFN runs on every row and the route picks per row. Sync-free and
+        exact, but it saves no FFN compute (see the warning at start-up)."""
+        scores = self.router(u)
+        route = routes_torch(scores, self.router_threshold, padding)
+        heavy = (route == HEAVY).unsqueeze(-1)
+        y = torch.where(heavy, self.mlp(u), self.light(u))
+        bounds = torch.stack([(route == HEAVY).sum(), (route != PADDING).sum()])
+        return y, scores, bounds
+
     def _kernel_weights(self) -> RoutedFFNWeights:
         """The tensors the Triton path reads, taken once weights are final."""
         if self.kernel_weights is None:
             gate_up, down = self.mlp.gate_up_proj, self.mlp.down_proj
-            dense = (UnquantizedLinearMethod,)
-            if not all(isinstance(p.quant_method, dense) for p in (gate_up, down)):
-                raise NotImplementedError(
-                    f"{self.routed_ffn_name}: the GPU routed FFN reads dense FFN "
-                    "weights; quantized FFN weights are not supported on this path"
-                )
             self.kernel_weights = RoutedFFNWeights(
                 fc1_weight=self.router.fc1.weight,
                 fc1_bias=self.router.fc1.bias,

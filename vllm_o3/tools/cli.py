@@ -1,4 +1,4 @@
-"""The `vllm-o3` command: make O3 checkpoints."""
+"""The `vllm-o3` command: make and transform O3 checkpoints."""
 
 from __future__ import annotations
 
@@ -62,10 +62,47 @@ def run_create(args: argparse.Namespace) -> None:
     print(f"wrote O3 checkpoint ({args.preset}) to {path}")
 
 
+def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "quantize",
+        help="write an o3_int4 copy of a 16-bit O3 checkpoint",
+        description="Quantize the FFN projections of a 16-bit O3 checkpoint to "
+        "INT4 (round-to-nearest per group, GPTQ-style tensors; O3_SPEC section "
+        "4); every other tensor and file is copied.",
+    )
+    parser.add_argument("src", type=Path, help="16-bit O3 checkpoint folder")
+    parser.add_argument("out", type=Path, help="folder to write")
+    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
+    symmetry = parser.add_mutually_exclusive_group()
+    symmetry.add_argument(
+        "--sym", dest="sym", action="store_true", default=True,
+        help="symmetric, implicit zero point 8 (default)",
+    )  # fmt: skip
+    symmetry.add_argument(
+        "--asym",
+        dest="sym",
+        action="store_false",
+        help="asymmetric, explicit zero points",
+    )
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.set_defaults(run=run_quantize)
+
+
+def run_quantize(args: argparse.Namespace) -> None:
+    from vllm_o3.tools.quantize import quantize_checkpoint
+
+    path = quantize_checkpoint(
+        args.src, args.out, args.group_size, args.sym, overwrite=args.force
+    )
+    kind = "symmetric" if args.sym else "asymmetric"
+    print(f"wrote o3_int4 checkpoint (group {args.group_size}, {kind}) to {path}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vllm-o3", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     add_create_parser(commands)
+    add_quantize_parser(commands)
     args = parser.parse_args(argv)
     try:
         args.run(args)

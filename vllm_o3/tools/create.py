@@ -41,6 +41,17 @@ PRESETS: dict[str, dict] = {
         num_key_value_heads=4,
         tie_word_embeddings=False,
     ),
+    # TinyLlama-1.1B's shape, for speed measurements where weight traffic
+    # dominates (its FFN 5632 = 44 * 128).
+    "1b": dict(
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        tie_word_embeddings=False,
+    ),
 }
 
 MAX_POSITIONS = 2048
@@ -96,24 +107,25 @@ def calibrate_routers(
     model: O3ForCausalLM, input_ids: torch.Tensor, heavy_fraction: float
 ) -> None:
     """Set each router's output bias so `heavy_fraction` of the sample tokens
-    score at or above the threshold, layer by layer in order (a layer's
-    routing changes what the next layer sees)."""
+    score at or above the threshold. One forward pass: each router is set as
+    the pass reaches it, so later layers see the routing they will get."""
     threshold = model.config.router_threshold
     if not 0 < threshold < 1:
         return  # every token takes one path whatever the bias
     target_logit = math.log(threshold / (1 - threshold))
-    for layer in model.model.layers:
-        if not layer.is_routed:
-            continue
-        captured: list[torch.Tensor] = []
-        hook = layer.router.register_forward_hook(
-            lambda _module, args, _out, into=captured: into.append(args[0])
-        )
-        model(input_ids, use_cache=False)
-        hook.remove()
-        logits = layer.router.logits(captured[0]).flatten()
+
+    def set_bias(router, args):
+        logits = router.logits(args[0]).flatten()
         cut = torch.quantile(logits, 1.0 - heavy_fraction)
-        layer.router.fc2.bias.add_(target_logit - cut)
+        router.fc2.bias.add_(target_logit - cut)
+
+    routers = [layer.router for layer in model.model.layers if layer.is_routed]
+    hooks = [router.register_forward_pre_hook(set_bias) for router in routers]
+    try:
+        model(input_ids, use_cache=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def create_checkpoint(
@@ -137,9 +149,9 @@ def create_checkpoint(
     ids = tokenizer(
         text, return_tensors="pt", truncation=True, max_length=CALIBRATION_TOKENS
     ).input_ids
-    calibrate_routers(model, ids.view(4, -1), TARGET_HEAVY_FRACTION)
     model.to(dtype)
     config.dtype = dtype
+    calibrate_routers(model, ids.view(4, -1), TARGET_HEAVY_FRACTION)
     with atomic_output_dir(out, overwrite=overwrite) as folder:
         model.save_pretrained(folder)
         tokenizer.save_pretrained(folder)

@@ -1,0 +1,107 @@
+"""Shared pieces of the benchmarks: timing, the machine, writing results."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+def median_time(fn: Callable[[], object], repeats: int, warmup: int = 3) -> float:
+    """Median wall time of `fn()` in seconds over `repeats` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def machine() -> str:
+    """One line naming the machine the numbers came from."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    threads = torch.get_num_threads()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} cores ({threads} torch threads), {gpu}; "
+        f"torch {torch.__version__}, Python {platform.python_version()}"
+    )
+
+
+def command_line() -> str:
+    """How to rerun this benchmark, from the repository root."""
+    script = Path(sys.argv[0])
+    if script.parent.name == "benchmarks":
+        return " ".join(["python -m", f"benchmarks.{script.stem}", *sys.argv[1:]])
+    return " ".join(["python", *sys.argv])
+
+
+def git_revision() -> str:
+    with contextlib.suppress(Exception):
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+    return "unknown"
+
+
+def write_report(name: str, title: str, body: str) -> Path:
+    """Write `docs/<name>.md` with the command, machine and revision on top."""
+    DOCS.mkdir(exist_ok=True)
+    path = DOCS / f"{name}.md"
+    path.write_text(
+        f"# {title}\n\n"
+        f"Command: `{command_line()}`  \n"
+        f"Machine: {machine()}  \n"
+        f"Revision: {git_revision()}, {time.strftime('%Y-%m-%d')}\n\n{body}\n"
+    )
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_process_vllm() -> Iterator[None]:
+    """vLLM's config and a one-rank process group, so its layers can be built
+    and run outside an engine."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        cleanup_dist_env_and_memory,
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+            backend="gloo",
+        )
+        initialize_model_parallel(1, 1)
+        try:
+            yield
+        finally:
+            cleanup_dist_env_and_memory()

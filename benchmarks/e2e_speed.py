@@ -1,0 +1,193 @@
+"""End-to-end speed in vLLM: one checkpoint, two ways of serving it, same run.
+
+`--compare routing`: the checkpoint at its own threshold against
+`router_threshold: 0`, which computes exactly its dense parent.
+`--compare int4`: the checkpoint in 16-bit against `--quantization o3_int4`
+(online round-to-nearest, group 128, symmetric).
+
+For each compilation mode (vLLM's default compiled mode, and eager) and each
+variant, one engine measures prefill tokens/s (16 prompts of 512 tokens of
+real text, one step each) and decode tokens/s at batch 1 and 16, with the
+routers' heavy fraction during each measurement and the bytes of the loaded
+weights. Medians of repeats.
+
+    python -m benchmarks.e2e_speed MODEL --compare routing|int4 [--modes compiled eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # router_counts
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+
+PREFILL_PROMPTS, PREFILL_LEN = 16, 512
+DECODE_PROMPT_LEN, DECODE_TOKENS = 32, 64
+
+
+def text_windows(tokenizer, count: int, length: int) -> list[list[int]]:
+    """`count` windows of `length` token ids of real text (CPython's docs)."""
+    from vllm_o3.tools.tokenizer import training_text
+
+    ids = tokenizer("\n".join(training_text())).input_ids
+    step = (len(ids) - length) // count
+    return [ids[i * step : i * step + length] for i in range(count)]
+
+
+# Per comparison: (variant label, engine options); the last is the baseline.
+VARIANTS = {
+    "routing": [
+        ("O3, checkpoint's threshold", {}),
+        ("threshold 0 (dense parent)", {"hf_overrides": {"router_threshold": 0.0}}),
+    ],
+    "int4": [
+        ("o3_int4", {"quantization": "o3_int4"}),
+        ("16-bit", {}),
+    ],
+}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the loaded model's parameters and buffers (runs in the worker)."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class Engine:
+    """One LLM plus the measurements, each with its heavy fraction."""
+
+    def __init__(self, model: str, options: dict, eager: bool):
+        from vllm import LLM
+
+        self.llm = LLM(
+            model,
+            **options,
+            enforce_eager=eager,
+            enable_prefix_caching=False,  # every repeat computes its prompt
+            max_model_len=1024,
+            max_num_seqs=16,
+            max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN,
+            seed=0,
+        )
+        tokenizer = self.llm.get_tokenizer()
+        self.prefill_prompts = text_windows(tokenizer, PREFILL_PROMPTS, PREFILL_LEN)
+        self.decode_prompts = text_windows(tokenizer, 16, DECODE_PROMPT_LEN)
+
+    def heavy_tokens(self) -> tuple[int, int]:
+        from vllm_o3.model.router_trace import router_counts
+
+        counts = self.llm.apply_model(router_counts)[0].values()
+        return sum(h for h, _ in counts), sum(t for _, t in counts)
+
+    def timed(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, float]:
+        """(seconds, heavy fraction) of one generate call."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        inputs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        heavy0, total0 = self.heavy_tokens()
+        start = time.perf_counter()
+        self.llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        heavy1, total1 = self.heavy_tokens()
+        return seconds, (heavy1 - heavy0) / max(1, total1 - total0)
+
+    def prefill(self) -> tuple[float, float]:
+        seconds, heavy = self.timed(self.prefill_prompts, 1)
+        return PREFILL_PROMPTS * PREFILL_LEN / seconds, heavy
+
+    def decode(self, batch: int) -> tuple[float, float]:
+        """Tokens/s of the decode steps alone: a run of DECODE_TOKENS + 1
+        tokens minus a run of 1 token (its prefill)."""
+        prompts = self.decode_prompts[:batch]
+        long, heavy = self.timed(prompts, DECODE_TOKENS + 1)
+        short, _ = self.timed(prompts, 1)
+        return batch * DECODE_TOKENS / (long - short), heavy
+
+    def close(self) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def measure(model: str, options: dict, eager: bool, repeats: int) -> dict:
+    engine = Engine(model, options, eager)
+    try:
+        engine.timed(engine.decode_prompts[:2], 4)  # warm-up
+        results = {"weights": (engine.llm.apply_model(weight_bytes)[0], None)}
+        for name, run in (
+            ("prefill", engine.prefill),
+            ("decode_b1", lambda: engine.decode(1)),
+            ("decode_b16", lambda: engine.decode(16)),
+        ):
+            samples = [run() for _ in range(repeats)]
+            results[name] = (
+                statistics.median(s[0] for s in samples),
+                statistics.median(s[1] for s in samples),
+            )
+        return results
+    finally:
+        engine.close()
+
+
+def main() -> None:
+    from tqdm import tqdm
+
+    from benchmarks.common import write_report
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("model")
+    parser.add_argument("--compare", choices=sorted(VARIANTS), required=True)
+    parser.add_argument("--modes", nargs="+", default=["compiled", "eager"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--report", default=None, help="docs/ file name")
+    args = parser.parse_args()
+    variants = VARIANTS[args.compare]
+    runs = [
+        (mode, label, options) for mode in args.modes for label, options in variants
+    ]
+    results = {}
+    for mode, label, options in tqdm(runs, desc="engines"):
+        results[mode, label] = measure(
+            args.model, options, mode == "eager", args.repeats
+        )
+    baseline = variants[-1][0]
+    lines = [
+        "| mode | variant | metric | tokens/s | heavy fraction | vs baseline |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode in args.modes:
+        for metric in ("prefill", "decode_b1", "decode_b16"):
+            base = results[mode, baseline][metric][0]
+            for label, _ in variants:
+                speed, heavy = results[mode, label][metric]
+                ratio = "" if label == baseline else f"{speed / base:.2f}x"
+                lines.append(
+                    f"| {mode} | {label} | {metric} | {speed:.1f} | {heavy:.1%} | {ratio} |"
+                )
+    weights = "\n".join(
+        f"- {label}: {results[args.modes[0], label]['weights'][0] / 2**20:.0f} MiB"
+        for label, _ in variants
+    )
+    body = (
+        f"Model: `{args.model}`. Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} "
+        f"tokens in one step. Decode: prompts of {DECODE_PROMPT_LEN} tokens, "
+        f"{DECODE_TOKENS} greedy tokens, prefill time subtracted. Prefix caching "
+        f"off; medians of {args.repeats} repeats; heavy fraction over all routed "
+        "layers during the measurement.\n\n"
+        + "\n".join(lines)
+        + "\n\nLoaded weights (parameters and buffers):\n\n"
+        + weights
+    )
+    print(body)
+    titles = {
+        "routing": "Routed FFN end to end: O3 vs its dense parent in vLLM",
+        "int4": "o3_int4 end to end: INT4 FFN vs 16-bit in vLLM",
+    }
+    name = args.report or f"bench_e2e_{args.compare}"
+    print(f"written to {write_report(name, titles[args.compare], body)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""One routed layer's FFN against the dense FFN, at heavy fractions 0-100 %.
+
+Builds vLLM's own layers (LlamaMLP, O3's router and light path) with their CPU
+weight packing, exactly as the engine runs them, and times the routed FFN op
+body (router + compaction + both paths) against the dense FFN on the same
+input, side by side, medians of repeats. At T = 1 a token is either heavy or
+light, so a fraction there is the mean over a sequence of single-token calls
+in which that share of tokens is heavy.
+
+    python benchmarks/routed_ffn_layer.py [--repeats 20] [--shapes tinyllama smollm2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from benchmarks.common import median_time, single_process_vllm, write_report
+
+SHAPES = {  # hidden, intermediate, light_rank, router_hidden
+    "tinyllama": (2048, 5632, 256, 64),
+    "smollm2": (576, 1536, 72, 64),
+}
+FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
+TOKENS = (1, 16, 512)
+
+
+def build_layers(hidden: int, intermediate: int, light_rank: int, router_hidden: int):
+    from vllm.model_executor.models.llama import LlamaMLP
+
+    from vllm_o3.model.vllm_model import O3LightPath, O3Router
+
+    torch.manual_seed(0)
+    mlp = LlamaMLP(hidden, intermediate, "silu", prefix="mlp")
+    light = O3LightPath(hidden, light_rank, prefix="light")
+    router = O3Router(hidden, router_hidden)
+    for module in (mlp, light, router):
+        for param in module.parameters():
+            param.data.normal_(0, param.shape[-1] ** -0.5)
+        for sub in module.modules():
+            method = getattr(sub, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(sub)  # CPU GEMM packing
+    return mlp, light, router
+
+
+def threshold_for(scores: torch.Tensor, num_heavy: int) -> float:
+    """A threshold that sends exactly the `num_heavy` best-scoring rows heavy."""
+    if num_heavy == 0:
+        return 2.0
+    return float(scores.sort(descending=True).values[num_heavy - 1])
+
+
+def bench_shape(name: str, repeats: int) -> list[str]:
+    from vllm_o3.kernels.routing import routed_ffn_torch
+
+    mlp, light, router = build_layers(*SHAPES[name])
+    hidden = SHAPES[name][0]
+    rows = []
+    progress = tqdm(total=len(TOKENS) * len(FRACTIONS), desc=name)
+    for T in TOKENS:
+        if T == 1:
+            u_all = torch.randn(200, hidden, dtype=torch.bfloat16)
+            scores_all = router(u_all)
+        else:
+            u = torch.randn(T, hidden, dtype=torch.bfloat16)
+            scores = router(u)
+        dense = median_time(lambda u_=(u_all[:1] if T == 1 else u): mlp(u_), repeats)
+        for fraction in FRACTIONS:
+            if T == 1:
+                heavy_rows = round(fraction * len(u_all))
+                threshold = threshold_for(scores_all, heavy_rows)
+                per_call = []
+                for _ in range(max(3, repeats // 5)):
+                    start = time.perf_counter()
+                    for row in u_all.split(1):
+                        routed_ffn_torch(row, router(row), threshold, mlp, light)
+                    per_call.append((time.perf_counter() - start) / len(u_all))
+                routed = statistics.median(per_call)
+            else:
+                threshold = threshold_for(scores, round(fraction * T))
+
+                def run(u=u, threshold=threshold):
+                    routed_ffn_torch(u, router(u), threshold, mlp, light)
+
+                routed = median_time(run, repeats)
+            rows.append(
+                f"| {name} | {T} | {fraction:.0%} | {routed * 1e3:.3f} | "
+                f"{dense * 1e3:.3f} | {routed / dense:.2f} |"
+            )
+            progress.update()
+    progress.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    args = parser.parse_args()
+    torch.set_default_dtype(torch.bfloat16)
+    with single_process_vllm():
+        rows = [row for name in args.shapes for row in bench_shape(name, args.repeats)]
+    table = "\n".join(
+        [
+            "| shape | T | heavy | routed FFN ms | dense FFN ms | routed / dense |",
+            "|---|---|---|---|---|---|",
+            *rows,
+        ]
+    )
+    shapes = ", ".join(
+        f"{n}: hidden {h}, FFN {i}, light rank {r}, router {R}"
+        for n, (h, i, r, R) in SHAPES.items()
+        if n in args.shapes
+    )
+    body = (
+        f"bf16, vLLM 0.32 CPU layers with their oneDNN packing. Shapes: {shapes}. "
+        "Routed = router + compaction + full FFN on heavy rows + light path on "
+        "the rest; medians of repeats (T = 1: mean per call over 200 "
+        "single-token calls with that share heavy).\n\n" + table
+    )
+    print(body)
+    print(
+        f"written to {write_report('bench_routed_ffn_layer', 'Routed FFN layer vs dense FFN', body)}"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""`o3_int4`: the format (O3_SPEC section 4), `vllm-o3 quantize`, the CPU
+kernels against the dequantized reference, and the quantization method in
+vLLM (offline and online) against the reference model."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import vllm_o3  # noqa: F401
+from tests.utils import (
+    PROMPTS,
+    check_logprobs_close,
+    reference_generations,
+    vllm_engine,
+    vllm_generations,
+)
+from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear
+from vllm_o3.model import O3Config
+from vllm_o3.model.checkpoint import expected_tensor_shapes
+from vllm_o3.quantization.int4_format import (
+    Int4Weight,
+    dequantize,
+    pack_int4,
+    quantize,
+    unpack_int4,
+)
+from vllm_o3.tools.quantize import quantize_checkpoint
+
+
+def test_packing_is_lowest_nibble_first_along_the_given_dim():
+    values = torch.arange(16).view(16, 1) % 16
+    packed = pack_int4(values, dim=0)
+    assert packed.tolist() == [[0x76543210], [0xFEDCBA98 - (1 << 32)]]
+    assert torch.equal(unpack_int4(packed, dim=0).long(), values)
+    wide = torch.randint(0, 16, (3, 24))
+    assert torch.equal(unpack_int4(pack_int4(wide, dim=1), dim=1).long(), wide)
+
+
+def test_hand_computed_symmetric_group():
+    # One group of 32 inputs, one output, on the grid of scale 0.5 (absmax 3.5
+    # = 7 * scale): w = (q - 8) * 0.5 is stored exactly.
+    q = 1 + torch.arange(32) % 15
+    weight = ((q - 8) * 0.5).float().view(1, 32)
+    packed = quantize(weight, group_size=32, sym=True)
+    assert packed.qzeros is None
+    assert packed.scales.tolist() == [[0.5]]
+    first_word = sum(int(v) << (4 * k) for k, v in enumerate(q[:8]))
+    assert packed.qweight.shape == (4, 1) and packed.qweight[0, 0] == first_word
+    assert torch.equal(dequantize(packed), weight)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_round_to_nearest_error_is_at_most_half_a_step(sym, group_size):
+    weight = torch.randn(48, 256)
+    packed = quantize(weight, group_size, sym)
+    error = (dequantize(packed, torch.float32) - weight).abs()
+    step = packed.scales.float().repeat_interleave(group_size, dim=0).t()
+    assert (error <= step / 2 + 1e-6).all()
+    assert packed.qweight.dtype == torch.int32 and packed.qweight.shape == (32, 48)
+    assert packed.scales.shape == (256 // group_size, 48)
+    if not sym:
+        assert packed.qzeros.shape == (256 // group_size, 6)
+
+
+def test_a_group_size_that_does_not_divide_the_input_is_refused():
+    with pytest.raises(ValueError, match="does not divide the input size 96"):
+        quantize(torch.randn(16, 96), 64, sym=True)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 5, SMALL_M_MAX, SMALL_M_MAX + 1, 100])
+def test_cpu_kernel_equals_dequantized_matmul(sym, group_size, rows):
+    torch.manual_seed(0)
+    weight = torch.randn(96, 256, dtype=torch.bfloat16)
+    packed = quantize(weight, group_size, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+    want = x.float() @ dequantize(packed, torch.float32).t()
+    got = linear(x).float()
+    torch.testing.assert_close(
+        got, want, atol=0.05 * want.abs().max().item(), rtol=0.02
+    )
+
+
+@pytest.fixture(scope="module")
+def int4_checkpoints(tiny_checkpoint, tmp_path_factory):
+    root = tmp_path_factory.mktemp("int4")
+    return {
+        "sym128": quantize_checkpoint(tiny_checkpoint, root / "sym128", 128, True),
+        "asym32": quantize_checkpoint(tiny_checkpoint, root / "asym32", 32, False),
+    }
+
+
+def test_quantize_writes_the_spec_tensors(int4_checkpoints):
+    for folder in int4_checkpoints.values():
+        config = O3Config.from_pretrained(folder)
+        tensors = load_file(folder / "model.safetensors")
+        shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+        assert shapes == expected_tensor_shapes(config)
+        for name, tensor in tensors.items():
+            if name.endswith((".qweight", ".qzeros")):
+                assert tensor.dtype == torch.int32
+            elif ".mlp." in name:
+                assert name.endswith(".scales") and tensor.dtype == torch.bfloat16
+        assert (folder / "tokenizer.json").exists()
+        assert (folder / "generation_config.json").exists()
+
+
+def test_reference_loads_int4_with_the_encoded_weights(
+    tiny_checkpoint, int4_checkpoints
+):
+    folder = int4_checkpoints["asym32"]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tensors = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj"
+    packed = Int4Weight(
+        tensors[f"{name}.qweight"], tensors[f"{name}.scales"], tensors[f"{name}.qzeros"]
+    )
+    torch.testing.assert_close(
+        model.model.layers[1].mlp.down_proj.weight, dequantize(packed, torch.float32)
+    )
+    dense = load_file(tiny_checkpoint / "model.safetensors")
+    torch.testing.assert_close(
+        model.model.layers[1].self_attn.q_proj.weight,
+        dense["model.layers.1.self_attn.q_proj.weight"].float(),
+    )
+
+
+def test_bad_int4_checkpoints_are_refused_naming_the_tensor(int4_checkpoints, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(int4_checkpoints["asym32"], folder)
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.2.mlp.up_proj.qzeros"]
+    tensors["model.layers.0.mlp.gate_proj.qweight"] = tensors[
+        "model.layers.0.mlp.gate_proj.qweight"
+    ][:8].clone()
+    save_file(tensors, path)
+    with pytest.raises(Exception, match=r"model\.layers\.0\.mlp\.gate_proj\.qweight"):
+        AutoModelForCausalLM.from_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["group_size"] = 48
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="quantization_config.group_size"):
+        O3Config.from_pretrained(folder)
+
+
+def loaded_dtypes(model) -> dict[str, str]:
+    """Runs in the worker: how each weight-holding module of the model holds
+    its weights."""
+    from vllm_o3.quantization.o3_int4 import describe_weights
+
+    return describe_weights(model)
+
+
+@pytest.fixture(scope="module")
+def int4_engine_runs(tiny_checkpoint, int4_checkpoints):
+    """Parity runs in float32 (INT4 weights, float32 arithmetic, as the
+    reference), and one in bfloat16, the dtype INT4 serves in."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    runs = {}
+    bf16 = {"dtype": "bfloat16"}  # the checkpoint's: online quantizes as offline
+    for name, model, options in (
+        ("offline", int4_checkpoints["sym128"], {}),
+        ("asym32", int4_checkpoints["asym32"], {}),
+        ("bf16", int4_checkpoints["sym128"], bf16),
+        ("bf16_online", tiny_checkpoint, {**bf16, "quantization": "o3_int4"}),
+    ):
+        with vllm_engine(model, **{"dtype": "float32", **options}) as llm:
+            runs[name] = (
+                vllm_generations(llm.generate(PROMPTS, greedy, use_tqdm=False)),
+                llm.apply_model(loaded_dtypes)[0],
+            )
+    return runs
+
+
+def test_only_the_ffn_is_int4_layer_by_layer(int4_engine_runs):
+    for name, (_, weights) in int4_engine_runs.items():
+        dtype = "torch.bfloat16" if name.startswith("bf16") else "torch.float32"
+        for module, kind in weights.items():
+            if ".mlp." in module:
+                assert kind == "o3_int4", (name, module, kind)
+            elif ".router." in module:
+                assert kind == "torch.float32", (name, module, kind)
+            else:
+                assert kind == dtype, (name, module, kind)
+        assert sum(k == "o3_int4" for k in weights.values()) == 2 * 4  # 4 layers
+
+
+def test_online_quantization_equals_offline_round_to_nearest(int4_engine_runs):
+    offline, _ = int4_engine_runs["bf16"]
+    online, _ = int4_engine_runs["bf16_online"]
+    assert [g.token_ids for g in online] == [g.token_ids for g in offline]
+
+
+@pytest.mark.parametrize("name", ["offline", "asym32"])
+def test_int4_engine_matches_the_reference_on_the_encoded_weights(
+    int4_engine_runs, int4_checkpoints, name
+):
+    folder = int4_checkpoints["sym128" if name == "offline" else name]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    expected = reference_generations(model, tokenizer, PROMPTS, 12, 5)
+    check_logprobs_close(expected, int4_engine_runs[name][0], "reference", "vllm")
+    matched = sum(
+        e.token_ids == g.token_ids
+        for e, g in zip(expected, int4_engine_runs[name][0], strict=True)
+    )
+    assert matched >= len(PROMPTS) - 1
+
+
+def test_bfloat16_int4_engine_generates(int4_engine_runs):
+    generations, _ = int4_engine_runs["bf16"]
+    assert all(len(g.token_ids) == 12 for g in generations)

@@ -1,0 +1,186 @@
+"""y = x @ W^T for an `o3_int4` weight: the fastest correct kernel per platform
+and batch size.
+
+CPU, measured on this project's machines (docs/bench_int4.md):
+- up to `SMALL_M_MAX` rows, torch's own packed-INT4 matmul
+  (`_weight_int4pack_mm_for_cpu`): at one row it reads a quarter of the bytes
+  of a 16-bit GEMV and is that much faster, but its cost grows with the rows;
+- above, the weight is dequantized once per call into a buffer shared by all
+  layers (one pass, compiled by torch) and the 16-bit GEMM runs on it.
+Both hold the same quantized values, in torch's packed layout and in a
+row-major nibble layout (together 1 byte per weight, half of 16-bit). Between
+about 8 and 2,000 rows neither beats a 16-bit GEMM on this CPU: the
+benchmark says by how much.
+
+GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
+Marlin, Machete, ...) on the checkpoint's GPTQ layout.
+
+`dequantize` (int4_format) is the reference every path is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
+
+# Measured crossover of the two CPU paths (docs/bench_int4_linear.md).
+SMALL_M_MAX = 128
+INNER_K_TILES = 2
+
+
+def _dequantize_into(
+    out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """out[n, k] = q[n, k] * scales[n, g] - offsets[n, g], g = k // group_size,
+    with q packed two to a byte along k (even k in the low nibble)."""
+    n, k = out.shape
+    groups = scales.shape[1]
+    q = torch.stack([packed & 15, packed >> 4], dim=-1).view(n, groups, k // groups)
+    w = q.to(out.dtype) * scales.unsqueeze(-1) - offsets.unsqueeze(-1)
+    return out.copy_(w.view(n, k))
+
+
+_compiled_dequantize_into = None
+# One dequantization buffer per weight shape, shared by all layers: a model
+# runs its layers one after another, so it never holds more than one copy.
+_DENSE_BUFFERS: dict[tuple, torch.Tensor] = {}
+
+
+def dense_buffer(shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    key = (shape, dtype)
+    if key not in _DENSE_BUFFERS:
+        _DENSE_BUFFERS[key] = torch.empty(shape, dtype=dtype)
+    return _DENSE_BUFFERS[key]
+
+
+def compiled_dequantize_into():
+    """`_dequantize_into` fused into one pass by torch.compile (built once;
+    each weight shape compiles its own specialization)."""
+    global _compiled_dequantize_into
+    if _compiled_dequantize_into is None:
+        _compiled_dequantize_into = torch.compile(
+            _dequantize_into, dynamic=False, fullgraph=True
+        )
+    return _compiled_dequantize_into
+
+
+class Int4Linear(nn.Module):
+    """One INT4 projection, ready to run; built from the checkpoint layout."""
+
+    def __init__(
+        self,
+        weight: Int4Weight,
+        dtype: torch.dtype,
+        name: str = "",
+        vllm_kernel: bool | None = None,
+    ):
+        """`vllm_kernel`: use vLLM's kernel selection; default on GPUs only
+        (on the CPU it picks CPUWNA16, which benchmarks slower than ours)."""
+        super().__init__()
+        self.name = name
+        self.group_size = weight.group_size
+        self.in_features = weight.qweight.shape[0] * 8
+        self.out_features = weight.qweight.shape[1]
+        self.dtype = dtype
+        if vllm_kernel is None:
+            vllm_kernel = weight.qweight.device.type != "cpu"
+        if vllm_kernel:
+            self._init_vllm_kernel(weight)
+        else:
+            self._init_cpu(weight)
+
+    # -- CPU ---------------------------------------------------------------
+
+    def _init_cpu(self, weight: Int4Weight) -> None:
+        scales = weight.scales.to(self.dtype)
+        if weight.qzeros is None:
+            zeros = torch.full_like(scales, SYMMETRIC_ZERO)
+        else:
+            zeros = unpack_int4(weight.qzeros, dim=1).to(self.dtype)
+        q = unpack_int4(weight.qweight, dim=0).t().contiguous()  # [N, K] values
+        # torch's packed layout, with w = (q - 8) * scale + zero per group,
+        # i.e. zero = (8 - z) * scale.
+        self.register_buffer(
+            "packed",
+            torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES),
+            persistent=False,
+        )
+        scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
+        self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
+        # Two to a byte along k, row-major by output: what the dequantizing
+        # path reads contiguously.
+        self.register_buffer(
+            "rows", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), persistent=False
+        )
+        self.register_buffer("row_scales", scales.t().contiguous(), persistent=False)
+        self.register_buffer(
+            "row_offsets", (zeros * scales).t().contiguous(), persistent=False
+        )
+        self.forward = self._forward_cpu
+
+    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if x.dtype != self.dtype:
+            raise TypeError(
+                f"{self.name}: input is {x.dtype}, weights are {self.dtype}"
+            )
+        if x.shape[0] <= SMALL_M_MAX:
+            y = torch._weight_int4pack_mm_for_cpu(
+                x.contiguous(), self.packed, self.group_size, self.scale_zero
+            )
+        else:
+            dense = dense_buffer((self.out_features, self.in_features), self.dtype)
+            compiled_dequantize_into()(
+                dense, self.rows, self.row_scales, self.row_offsets
+            )
+            y = torch.nn.functional.linear(x, dense)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    # -- GPUs -----------------------------------------------------------------
+
+    def _init_vllm_kernel(self, weight: Int4Weight) -> None:
+        from vllm.model_executor.kernels.linear import choose_mp_linear_kernel
+        from vllm.model_executor.kernels.linear.mixed_precision.MPLinearKernel import (
+            MPLinearLayerConfig,
+        )
+        from vllm.model_executor.parameter import (
+            GroupQuantScaleParameter,
+            PackedvLLMParameter,
+        )
+        from vllm.scalar_type import scalar_types
+
+        sym = weight.qzeros is None
+        config = MPLinearLayerConfig(
+            full_weight_shape=(self.in_features, self.out_features),
+            partition_weight_shape=(self.in_features, self.out_features),
+            weight_type=scalar_types.uint4b8 if sym else scalar_types.uint4,
+            act_type=self.dtype,
+            group_size=self.group_size,
+            zero_points=not sym,
+        )
+        kernel_type = choose_mp_linear_kernel(config)
+        self.params = nn.Module()  # the parameter names vLLM's kernels expect
+        self.params.weight_packed = PackedvLLMParameter(
+            data=weight.qweight, input_dim=0, output_dim=1, packed_dim=0,
+            packed_factor=8, weight_loader=None,
+        )  # fmt: skip
+        self.params.weight_scale = GroupQuantScaleParameter(
+            data=weight.scales.to(self.dtype),
+            input_dim=0,
+            output_dim=1,
+            weight_loader=None,
+        )
+        zero_name = None
+        if not sym:
+            self.params.weight_zero_point = PackedvLLMParameter(
+                data=weight.qzeros, input_dim=0, output_dim=1, packed_dim=1,
+                packed_factor=8, weight_loader=None,
+            )  # fmt: skip
+            zero_name = "weight_zero_point"
+        self.params.bias = None
+        self.kernel = kernel_type(config, "weight_packed", "weight_scale", zero_name)
+        self.kernel.process_weights_after_loading(self.params)
+        self.forward = lambda x: self.kernel.apply_weights(self.params, x)
