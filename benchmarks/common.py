@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -14,6 +13,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+
+from vllm_o3.tools.server import free_port
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
@@ -73,12 +74,6 @@ def write_report(name: str, title: str, body: str) -> Path:
         f"Revision: {git_revision()}, {time.strftime('%Y-%m-%d')}\n\n{body}\n"
     )
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

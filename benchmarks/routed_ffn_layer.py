@@ -7,7 +7,7 @@ input, side by side, medians of repeats. At T = 1 a token is either heavy or
 light, so a fraction there is the mean over a sequence of single-token calls
 in which that share of tokens is heavy.
 
-    python benchmarks/routed_ffn_layer.py [--repeats 20] [--shapes tinyllama smollm2]
+    python -m benchmarks.routed_ffn_layer [--repeats 20] [--shapes tinyllama smollm2]
 """
 
 from __future__ import annotations
@@ -55,6 +55,18 @@ def threshold_for(scores: torch.Tensor, num_heavy: int) -> float:
     return float(scores.sort(descending=True).values[num_heavy - 1])
 
 
+def per_row_time(fn, rows: torch.Tensor, repeats: int) -> float:
+    """Median over repeats of the mean time of `fn` on each single row."""
+    fn(rows[:1])
+    samples = []
+    for _ in range(max(3, repeats // 5)):
+        start = time.perf_counter()
+        for row in rows.split(1):
+            fn(row)
+        samples.append((time.perf_counter() - start) / len(rows))
+    return statistics.median(samples)
+
+
 def bench_shape(name: str, repeats: int) -> list[str]:
     from vllm_o3.kernels.routing import routed_ffn_torch
 
@@ -66,21 +78,21 @@ def bench_shape(name: str, repeats: int) -> list[str]:
         if T == 1:
             u_all = torch.randn(200, hidden, dtype=torch.bfloat16)
             scores_all = router(u_all)
+            dense = per_row_time(lambda row: mlp(row), u_all, repeats)
         else:
             u = torch.randn(T, hidden, dtype=torch.bfloat16)
             scores = router(u)
-        dense = median_time(lambda u_=(u_all[:1] if T == 1 else u): mlp(u_), repeats)
+            dense = median_time(lambda u=u: mlp(u), repeats)
         for fraction in FRACTIONS:
             if T == 1:
-                heavy_rows = round(fraction * len(u_all))
-                threshold = threshold_for(scores_all, heavy_rows)
-                per_call = []
-                for _ in range(max(3, repeats // 5)):
-                    start = time.perf_counter()
-                    for row in u_all.split(1):
-                        routed_ffn_torch(row, router(row), threshold, mlp, light)
-                    per_call.append((time.perf_counter() - start) / len(u_all))
-                routed = statistics.median(per_call)
+                threshold = threshold_for(scores_all, round(fraction * len(u_all)))
+                routed = per_row_time(
+                    lambda row, t=threshold: routed_ffn_torch(
+                        row, router(row), t, mlp, light
+                    ),
+                    u_all,
+                    repeats,
+                )
             else:
                 threshold = threshold_for(scores, round(fraction * T))
 
@@ -121,7 +133,8 @@ def main() -> None:
         f"bf16, vLLM 0.32 CPU layers with their oneDNN packing. Shapes: {shapes}. "
         "Routed = router + compaction + full FFN on heavy rows + light path on "
         "the rest; medians of repeats (T = 1: mean per call over 200 "
-        "single-token calls with that share heavy).\n\n" + table
+        "single-token calls with that share heavy, the dense FFN timed the same "
+        "way).\n\n" + table
     )
     print(body)
     print(

@@ -57,7 +57,7 @@ def server_args(scheduler: str) -> list[str]:
     if scheduler == "o3":
         return [
             "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
-            "--middleware", "vllm_o3.scheduler.http.O3TierMiddleware",
+            "--middleware", "vllm_o3.middleware.O3Middleware",
         ]  # fmt: skip
     return []
 

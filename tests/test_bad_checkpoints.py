@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 import vllm_o3  # noqa: F401
+from vllm_o3.tools.quantize import quantize_checkpoint
 from vllm_o3.tools.server import group_exits, vllm_command
 
 
@@ -41,6 +42,24 @@ def narrow_light_path(t):
     ].clone()
 
 
+def truncate_weights(folder) -> None:
+    path = folder / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def misshape_int4_tensor(folder) -> None:
+    shutil.rmtree(folder)
+    quantize_checkpoint(folder.parent / "source", folder, group_size=128, sym=True)
+    name = "model.layers.1.mlp.up_proj.qweight"
+    edit_tensors(folder, lambda t: t.update({name: t[name][:4].clone()}))
+
+
+def remove_tokenizer(folder) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+
+
 BROKEN = {
     "missing_router_tensor": (
         lambda f: edit_tensors(f, drop_router_tensor),
@@ -58,26 +77,36 @@ BROKEN = {
         lambda f: edit_config(f, router_layers=[1, 7]),
         "router_layers",
     ),
+    "hidden_size_text": (lambda f: edit_config(f, hidden_size="big"), "hidden_size"),
+    "truncated_safetensors": (truncate_weights, "model.safetensors"),
+    "int4_tensor_wrong_shape": (
+        misshape_int4_tensor,
+        "model.layers.1.mlp.up_proj.qweight",
+    ),
+    "tokenizer_missing": (remove_tokenizer, "tokenizer"),
 }
 
 
 @pytest.fixture(params=list(BROKEN))
 def broken(request, tiny_checkpoint, tmp_path):
+    shutil.copytree(tiny_checkpoint, tmp_path / "source")
     folder = tmp_path / request.param
     shutil.copytree(tiny_checkpoint, folder)
     damage, words = BROKEN[request.param]
     damage(folder)
-    return folder, words
+    return request.param, folder, words
 
 
 def test_reference_refuses_naming_the_field_or_tensor(broken):
-    folder, words = broken
+    name, folder, words = broken
+    if name == "tokenizer_missing":
+        pytest.skip("the reference model loads no tokenizer")
     with pytest.raises(Exception, match=words.replace(".", r"\.")):
         AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
 def test_vllm_serve_exits_nonzero_naming_the_field_or_tensor(broken):
-    folder, words = broken
+    _, folder, words = broken
     command = [
         *vllm_command(),
         "serve",

@@ -17,8 +17,8 @@ import time
 import httpx
 import pytest
 
-from tests.utils import metric, metric_samples, vllm_engine
-from vllm_o3.tools.server import start_server, stop_server
+from tests.utils import vllm_engine
+from vllm_o3.tools.server import metric, metric_samples, start_server, stop_server
 
 POLICY = {
     "tiers": {
@@ -38,7 +38,7 @@ def server(small_checkpoint, tmp_path_factory):
         small_checkpoint, log,
         "--max-num-seqs", str(SLOTS), "--max-model-len", "2048",
         "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
-        "--middleware", "vllm_o3.scheduler.http.O3TierMiddleware",
+        "--middleware", "vllm_o3.middleware.O3Middleware",
         "--additional-config", json.dumps({"o3_scheduler": POLICY}),
     )  # fmt: skip
     yield server
@@ -257,3 +257,15 @@ def test_offline_drop_is_an_abort_with_deadline_exceeded(tiny_checkpoint):
     assert (
         bad[0].outputs[0].stop_reason.startswith("invalid_request: tier must be one of")
     )
+
+
+def test_triton_style_health_endpoints(http):
+    assert http.get("/v2/health/live").json() == {"status": "live"}
+    assert http.get("/v2/health/ready").json() == {"status": "ready"}
+
+
+def test_seeded_requests_are_refused_on_cpu_and_the_server_stays_up(http, model):
+    reply = http.post("/v1/completions", json=body(model, seed=7, prompt="x " * 300))
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "seed"
+    assert http.post("/v1/completions", json=body(model)).status_code == 200

@@ -7,8 +7,14 @@ from __future__ import annotations
 import openai
 import pytest
 
-from tests.utils import PROMPTS, metric, metric_samples
-from vllm_o3.tools.server import group_exits, start_server, stop_server
+from tests.utils import PROMPTS
+from vllm_o3.tools.server import (
+    group_exits,
+    metric,
+    metric_samples,
+    start_server,
+    stop_server,
+)
 
 
 @pytest.fixture(scope="module")

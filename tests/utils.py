@@ -109,27 +109,6 @@ def vllm_engine(model: str | Path, **kwargs) -> Iterator:
         gc.collect()
 
 
-def metric_samples(url: str) -> dict[tuple[str, frozenset], float]:
-    """`/metrics` of a server as {(name, {label: value}): sample}."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(f"{url}/metrics") as response:
-        text = response.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def metric(samples: dict, name: str, **labels: str) -> float:
-    """The sum of `name`'s samples whose labels include `labels`."""
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
-
-
 def relative_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||, the seed's output-norm accuracy figure."""
     return float((a - b).norm() / b.norm())

@@ -46,7 +46,11 @@ class O3Router(nn.Module):
         self.fc2 = nn.Linear(config.router_hidden_size, 1)
 
     def logits(self, u: torch.Tensor) -> torch.Tensor:
-        """Pre-sigmoid scores, float32, shape `u.shape[:-1]`."""
+        """Pre-sigmoid scores, float32, shape `u.shape[:-1]` (also under autocast)."""
+        with torch.autocast(u.device.type, enabled=False):
+            return self._logits(u)
+
+    def _logits(self, u: torch.Tensor) -> torch.Tensor:
         x = u.float()
         x = F.silu(F.linear(x, self.fc1.weight.float(), self.fc1.bias.float()))
         return F.linear(x, self.fc2.weight.float(), self.fc2.bias.float()).squeeze(-1)
@@ -126,14 +130,35 @@ class O3DecoderLayer(GradientCheckpointingLayer):
         if self.is_routed:
             self.router = O3Router(config)
             self.light = O3LightPath(config)
+        # Set (with model.train()) to distill routers and light paths.
+        self.train_heavy_fraction: float | None = None
+
+    def routed_ffn_straight_through(
+        self, u: torch.Tensor, temperature: float = 1.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: hard routing of the top `train_heavy_fraction` of the
+        batch's tokens in the forward pass, the router's gradient through a
+        sigmoid around the cut (straight-through). Not the serving rule: the
+        converter recalibrates each router's bias to the spec's threshold."""
+        logits = self.router.logits(u)
+        cut = torch.quantile(logits.detach().flatten(), 1.0 - self.train_heavy_fraction)
+        soft = torch.sigmoid((logits - cut) / temperature)
+        gate = ((logits >= cut).to(soft.dtype) - soft.detach() + soft).unsqueeze(-1)
+        y = gate * self.mlp(u) + (1 - gate) * self.light(u)
+        return y.to(u.dtype), torch.sigmoid(logits)
 
     def routed_ffn(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The spec's routed FFN, literally: returns (output, router scores)."""
+        if self.training and self.train_heavy_fraction is not None:
+            return self.routed_ffn_straight_through(u)
         scores = self.router(u)
         heavy = scores >= self.config.router_threshold
-        y = torch.empty_like(u)
-        y[heavy] = self.mlp(u[heavy])
-        y[~heavy] = self.light(u[~heavy])
+        heavy_y, light_y = self.mlp(u[heavy]), self.light(u[~heavy])
+        y = u.new_empty(
+            u.shape, dtype=torch.promote_types(heavy_y.dtype, light_y.dtype)
+        )
+        y[heavy] = heavy_y
+        y[~heavy] = light_y
         return y, scores
 
     def forward(

@@ -8,6 +8,7 @@ torch.compile sees a fixed-shape [T, H] -> [T, H] call whatever the routing.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 import torch
@@ -47,6 +48,7 @@ from vllm_o3.kernels.routing import (
     routes_torch,
 )
 from vllm_o3.model.checkpoint import (
+    check_checkpoint_folder,
     check_complete,
     check_tensor,
     expected_tensor_shapes,
@@ -321,6 +323,12 @@ class O3ForCausalLM(LlamaForCausalLM):
                 f"O3ForCausalLM needs an O3Config, got {type(config).__name__}"
             )
         config.validate()  # again: --hf-overrides may have changed fields
+        folder = vllm_config.model_config.model
+        load_format = vllm_config.load_config.load_format
+        if load_format in ("auto", "safetensors") and os.path.isdir(folder):
+            # Before any weight is read: a truncated file or a missing or
+            # misshapen tensor is refused naming it, not half-loaded.
+            check_checkpoint_folder(folder)
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
         )

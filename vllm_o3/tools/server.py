@@ -22,7 +22,7 @@ def free_port() -> int:
 
 @dataclass
 class Server:
-    """A `vllm serve` process and where it listens."""
+    """A server process (`vllm serve`, a gateway, a proxy) and where it listens."""
 
     process: subprocess.Popen
     port: int
@@ -42,8 +42,12 @@ def start_server(
     model: str | Path, log: Path, *args: str, timeout: float = 600, env=None
 ) -> Server:
     """Start `vllm serve MODEL` on a free loopback port; wait until it is healthy."""
-    import urllib.request
+    return wait_healthy(launch_server(model, log, *args, env=env), timeout)
 
+
+def launch_server(model: str | Path, log: Path, *args: str, env=None) -> Server:
+    """`vllm serve MODEL` on a free loopback port, in its own process group;
+    does not wait (several servers start at once)."""
     port = free_port()
     command = [
         *vllm_command(),
@@ -63,22 +67,32 @@ def start_server(
             env={**os.environ, **(env or {})},
             start_new_session=True,
         )
-    server = Server(process, port, log)
+    return Server(process, port, log)
+
+
+def wait_healthy(server: Server, timeout: float = 600, path: str = "/health"):
+    """Wait until `path` answers 200; stop the server and raise with its log's
+    tail if it exits or times out."""
+    import urllib.request
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if process.poll() is not None:
-            tail = log.read_text()[-4000:]
-            raise RuntimeError(f"vllm serve exited with {process.returncode}:\n{tail}")
+        if server.process.poll() is not None:
+            tail = server.log.read_text()[-4000:]
+            raise RuntimeError(
+                f"{server.log.stem} exited with {server.process.returncode}:\n{tail}"
+            )
         with (
             contextlib.suppress(OSError),
-            urllib.request.urlopen(f"{server.url}/health", timeout=5) as reply,
+            urllib.request.urlopen(f"{server.url}{path}", timeout=5) as reply,
         ):
             if reply.status == 200:
                 return server
         time.sleep(1)
     stop_server(server)
     raise TimeoutError(
-        f"vllm serve not healthy after {timeout}s:\n{log.read_text()[-4000:]}"
+        f"{server.log.stem} not healthy after {timeout}s:\n"
+        f"{server.log.read_text()[-4000:]}"
     )
 
 
@@ -117,3 +131,34 @@ def group_exits(pgid: int, timeout: float = 15) -> bool:
             return False
         time.sleep(0.5)
     return True
+
+
+def metric_samples(url: str) -> dict[tuple[str, frozenset], float]:
+    """`/metrics` of a server as {(name, {label: value}): sample}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics") as response:
+        text = response.read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples whose labels include `labels`."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+def errors_while_serving(log: Path) -> list[str]:
+    """ERROR and Traceback lines a server logged before its shutdown began
+    (vLLM 0.32 may log an EngineDeadError while it tears itself down)."""
+    lines = log.read_text(errors="replace").splitlines()
+    serving = next((i for i, line in enumerate(lines) if "[shutdown]" in line), None)
+    return [
+        line for line in lines[:serving] if " ERROR " in line or "Traceback" in line
+    ]

@@ -1,0 +1,148 @@
+"""`vllm-o3 convert` end to end on a small random Llama (training included),
+with one layer given massive-activation tokens; `vllm-o3 eval`."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+
+import vllm_o3  # noqa: F401
+from tests.utils import (
+    PROMPTS,
+    check_logprobs_close,
+    reference_generations,
+    vllm_engine,
+    vllm_generations,
+)
+from vllm_o3.tools.convert import ConvertOptions, build_from_routing, convert
+from vllm_o3.tools.corpora import pydoc_topics, stdlib_code
+from vllm_o3.tools.evaluate import evaluate_checkpoint
+from vllm_o3.tools.tokenizer import train_tokenizer
+
+MASSIVE_LAYER = 2
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory):
+    """A random 6-layer Llama whose layer 2 FFN gives '.' tokens massive outputs."""
+    tokenizer = train_tokenizer(4096, 2048)
+    config = LlamaConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        direction = model.model.embed_tokens.weight[
+            tokenizer.convert_tokens_to_ids(".")
+        ]
+        mlp = model.model.layers[MASSIVE_LAYER].mlp
+        direction = direction / direction.norm()
+        mlp.gate_proj.weight[0] = 400 * direction
+        mlp.up_proj.weight[0] = 400 * direction
+        mlp.down_proj.weight[:, 0] = 5.0
+    folder = tmp_path_factory.mktemp("llama") / "parent"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def converted(parent, tmp_path_factory):
+    root = tmp_path_factory.mktemp("o3")
+    corpora = {"docs": pydoc_topics(), "code": stdlib_code()}
+    routing = root / "routing.safetensors"
+    options = ConvertOptions(
+        max_ppl_increase=0.5, fit_windows_per_domain=4, dev_windows_per_domain=1,
+        train_minutes=0.05, dtype=torch.float32, routing_out=routing,
+    )  # fmt: skip
+    return convert(parent, root / "o3", options, corpora=corpora), routing
+
+
+def test_conversion_records_its_operating_point(converted):
+    out, _ = converted
+    config = json.loads((out / "config.json").read_text())
+    report = config["o3_conversion"]
+    assert config["model_type"] == "o3"
+    assert config["router_layers"] == report["operating_point"]["routed_layers"]
+    assert report["training"]["steps"] >= 1
+    assert 0 < report["ffn_flops_saved"] < 1
+    for figures in report["dev_perplexity"].values():
+        assert figures["o3"] <= figures["parent"] * 1.5 + 1e-6
+
+
+def test_layer_with_massive_activations_stays_dense(converted):
+    out, _ = converted
+    config = json.loads((out / "config.json").read_text())
+    assert MASSIVE_LAYER not in config["router_layers"]
+    assert config["o3_conversion"]["dense_layers"][str(MASSIVE_LAYER)] == (
+        "massive-activation tokens"
+    )
+
+
+@torch.no_grad()
+def test_threshold_zero_reproduces_the_parent(parent, converted):
+    out, _ = converted
+    llama = AutoModelForCausalLM.from_pretrained(parent, dtype=torch.float32)
+    o3 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    o3.config.router_threshold = 0.0
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        torch.testing.assert_close(o3(ids).logits, llama(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_rebuilt_from_saved_routing_is_identical(parent, converted, tmp_path):
+    out, routing = converted
+    rebuilt = build_from_routing(
+        parent, routing, tmp_path / "rebuilt", dtype=torch.float32
+    )
+    from safetensors.torch import load_file
+
+    original, copy = (
+        load_file(out / "model.safetensors"),
+        load_file(rebuilt / "model.safetensors"),
+    )
+    assert original.keys() == copy.keys()
+    for name in original:
+        if ".router.fc2.bias" in name:  # bfloat16 in the routing file
+            torch.testing.assert_close(copy[name], original[name], atol=0.02, rtol=0)
+        elif ".router." in name or ".light." in name:
+            torch.testing.assert_close(copy[name], original[name], atol=0.02, rtol=0.01)
+        else:
+            assert torch.equal(copy[name], original[name]), name
+
+
+def test_converted_model_agrees_in_vllm_and_the_reference(converted):
+    from vllm import SamplingParams
+
+    out, _ = converted
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    expected = reference_generations(model, tokenizer, PROMPTS, 10, 5)
+    greedy = SamplingParams(temperature=0, max_tokens=10, logprobs=5, ignore_eos=True)
+    with vllm_engine(out, enforce_eager=True) as llm:
+        got = vllm_generations(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    check_logprobs_close(expected, got, "reference", "vllm")
+
+
+def test_eval_returns_finite_numbers(converted):
+    out, _ = converted
+    text = "\n".join(pydoc_topics().held_out)
+    result = evaluate_checkpoint(out, text, windows=2, use_vllm=True)
+    for key in ("perplexity_reference", "perplexity_vllm", "perplexity_random_routing",
+                "perplexity_dense_parent", "ffn_flops_saved"):  # fmt: skip
+        assert math.isfinite(result[key]), key
+    assert result["perplexity_vllm"] == pytest.approx(
+        result["perplexity_reference"], rel=1e-3
+    )

@@ -1,0 +1,157 @@
+"""The scale-out set on one machine (`vllm-o3 cluster`): nginx routing by
+X-O3-Env in front of one Shepherd Model Gateway per environment, over O3
+replicas with O3Scheduler. Requests reach every prod replica, the O3 tier
+fields arrive unchanged, canary routing follows the header and the weight, and
+a replica killed under load is taken out while every request is answered."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from vllm_o3.tools.cluster import start_cluster
+from vllm_o3.tools.server import metric, metric_samples
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_checkpoint, tmp_path_factory):
+    cluster = start_cluster(
+        tiny_checkpoint,
+        {"prod": 2, "canary": 1, "staging": 1},
+        ("--max-num-seqs", "1", "--max-model-len", "2048", "--enforce-eager"),
+        folder=tmp_path_factory.mktemp("cluster"),
+    )
+    yield cluster
+    cluster.stop()
+
+
+def served(server) -> float:
+    """Requests a replica finished, by vLLM's own counter."""
+    return metric(metric_samples(server.url), "vllm:request_success_total")
+
+
+def completion(client, env: str | None = None, **fields) -> httpx.Response:
+    headers = {"X-O3-Env": env} if env is not None else {}
+    body = {"model": "o3", "prompt": "The river", "max_tokens": 2, **fields}
+    return client.post("/v1/completions", json=body, headers=headers)
+
+
+def test_completions_and_chat_reach_both_prod_replicas(cluster):
+    before = [served(r) for r in cluster.replicas["prod"]]
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        for i in range(12):
+            reply = completion(client, "prod", prompt=f"Story {i}: once upon a time")
+            assert reply.status_code == 200, reply.text
+            chat = client.post(
+                "/v1/chat/completions",
+                headers={"X-O3-Env": "prod"},
+                json={"model": "o3", "max_tokens": 2,
+                      "messages": [{"role": "user", "content": f"Question {i}?"}]},
+            )  # fmt: skip
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["choices"][0]["message"]["role"] == "assistant"
+    after = [served(r) for r in cluster.replicas["prod"]]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    assert sum(after) - sum(before) == 24
+
+
+def occupy(replica, tokens: int = 2000) -> threading.Thread:
+    """A long request straight to a replica, filling its only slot."""
+
+    def run():
+        body = {"model": "o3", "prompt": "The river", "max_tokens": tokens,
+                "ignore_eos": True, "vllm_xargs": {"tier": "critical"}}  # fmt: skip
+        httpx.post(f"{replica.url}/v1/completions", json=body, timeout=300)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def wait_running(replica) -> None:
+    deadline = time.monotonic() + 60
+    while metric(metric_samples(replica.url), "vllm:num_requests_running") < 1:
+        assert time.monotonic() < deadline, "the filler request never ran"
+        time.sleep(0.1)
+
+
+def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
+    # The body's vllm_xargs arrive unchanged. X-O3-* headers do not: smg 1.13
+    # forwards only authorization, x-request-id, x-correlation-id,
+    # traceparent and tracestate (docs/scale-out.md).
+    fillers = [occupy(r) for r in cluster.replicas["prod"]]
+    for replica in cluster.replicas["prod"]:
+        wait_running(replica)
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        reply = completion(
+            client, "prod", vllm_xargs={"tier": "high", "deadline_ms": 1}
+        )
+    assert reply.status_code == 503, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "deadline_exceeded" and "high" in error["message"]
+    for thread in fillers:
+        thread.join(timeout=300)
+
+
+def test_canary_header_and_weight(cluster):
+    counts = {env: [served(r) for r in rs] for env, rs in cluster.replicas.items()}
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        for env in ("canary", "staging"):
+            assert completion(client, env).status_code == 200
+        unknown = completion(client, "blue")
+        assert unknown.status_code == 400
+        assert "X-O3-Env" in unknown.json()["error"]["message"]
+        headerless = 200
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda _: completion(client, max_tokens=1),
+                                    range(headerless)))  # fmt: skip
+        assert all(r.status_code == 200 for r in replies)
+    delta = {
+        env: sum(served(r) for r in rs) - sum(counts[env])
+        for env, rs in cluster.replicas.items()
+    }
+    assert delta["staging"] == 1
+    canary_share = delta["canary"] - 1  # less the one sent by header
+    # 5 % of 200: 10 expected; binomial P(outside 1..25) < 1e-4.
+    assert 1 <= canary_share <= 25, delta
+    assert delta["prod"] >= headerless - canary_share
+
+
+def test_replica_killed_under_load_is_taken_out_and_every_request_answered(cluster):
+    victim = cluster.replicas["prod"][1]
+    outcomes: list[int | str] = []
+
+    def one(i: int):
+        try:
+            with httpx.Client(base_url=cluster.url, timeout=120) as client:
+                reply = completion(client, "prod", prompt=f"Load {i}", max_tokens=8)
+            if reply.status_code != 200:
+                assert reply.json()["error"]["message"] or reply.text
+            outcomes.append(reply.status_code)
+        except httpx.HTTPError as e:
+            outcomes.append(type(e).__name__)
+
+    total = 60
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(one, i) for i in range(total)]
+        time.sleep(2)
+        os.killpg(victim.process.pid, signal.SIGKILL)
+        for future in futures:
+            future.result()
+    assert len(outcomes) == total, "a request went unanswered"
+    ok = outcomes.count(200)
+    assert ok >= total * 0.8, outcomes
+    survivor = cluster.replicas["prod"][0]
+    with httpx.Client(base_url=cluster.url, timeout=120) as client:
+        before = served(survivor)
+        for i in range(5):  # after removal, all traffic goes to the survivor
+            assert completion(client, "prod", prompt=f"After {i}").status_code == 200
+    assert served(survivor) - before == 5

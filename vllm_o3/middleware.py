@@ -1,0 +1,85 @@
+"""O3's additions to vLLM's OpenAI server, as one ASGI middleware:
+
+    vllm serve o3 --middleware vllm_o3.middleware.O3Middleware \\
+        --scheduler-cls vllm_o3.scheduler.O3Scheduler
+
+- `/v2/health/live` (the process answers) and `/v2/health/ready` (the model is
+  loaded and the engine answers vLLM's own `/health`), as Triton users expect;
+- the priority-tier request fields and errors (`scheduler.http`);
+- a guard for a vLLM 0.32 CPU-backend crash: a request with `seed` kills the
+  engine's worker when its prompt is prefilled in chunks ("CPU Generator does
+  not use offset", vLLM's model runner rewinds the generator's offset, which
+  CPU generators lack). On the CPU platform such requests get HTTP 400.
+"""
+
+from __future__ import annotations
+
+import json
+
+from vllm_o3.scheduler.http import (
+    GENERATION_PATHS,
+    O3TierMiddleware,
+    error_body,
+    read_body,
+    replay,
+    respond,
+)
+
+LIVE, READY = "/v2/health/live", "/v2/health/ready"
+SEED_REFUSAL = (
+    "per-request `seed` is refused on this server: vLLM 0.32's CPU backend crashes "
+    "its worker on seeded requests whose prompt is prefilled in chunks"
+)
+
+
+class O3Middleware:
+    def __init__(self, app):
+        self.app = app
+        self.tiers = O3TierMiddleware(app)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path == LIVE:
+            return await respond(send, 200, b'{"status": "live"}')
+        if path == READY:
+            return await self.ready(scope, send)
+        if scope["method"] == "POST" and path in GENERATION_PATHS and cpu_platform():
+            raw = await read_body(receive)
+            if has_seed(raw):
+                body = error_body(SEED_REFUSAL, "BadRequestError", 400, "seed")
+                return await respond(send, 400, body)
+            receive = replay(raw, receive)
+        return await self.tiers(scope, receive, send)
+
+    async def ready(self, scope, send) -> None:
+        """Ask vLLM's own /health; ready when it answers 200."""
+        status = {}
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+
+        async def no_body():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        health = {**scope, "path": "/health", "raw_path": b"/health", "method": "GET"}
+        await self.app(health, no_body, capture)
+        if status.get("code") == 200:
+            return await respond(send, 200, b'{"status": "ready"}')
+        await respond(send, 503, b'{"status": "not ready"}')
+
+
+def has_seed(raw: bytes) -> bool:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("seed") is not None
+
+
+def cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
