@@ -35,6 +35,7 @@ def test_options_map_to_vllm_settings(tiny_checkpoint):
         int4_ffn=True,
         router_threshold=0.5,
         max_model_len=256,
+        cold_kv_cache_gib=8,
     ).llm_arguments()
     assert arguments == {
         "model": str(tiny_checkpoint),
@@ -43,7 +44,13 @@ def test_options_map_to_vllm_settings(tiny_checkpoint):
         "quantization": "o3_int4",
         "hf_overrides": {"router_threshold": 0.5},
         "max_model_len": 256,
+        "kv_offloading_size": 8,
     }
+
+
+def test_cold_kv_tier_is_refused_on_cpu(tiny_checkpoint):
+    with pytest.raises(ValueError, match="cold_kv_cache_gib.*GPU"):
+        O3Model.from_config(O3Config(str(tiny_checkpoint), cold_kv_cache_gib=4))
 
 
 def test_unknown_options_are_refused_by_name():

@@ -105,17 +105,9 @@ def test_reference_refuses_naming_the_field_or_tensor(broken):
         AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
 
 
-def test_vllm_serve_exits_nonzero_naming_the_field_or_tensor(broken):
-    _, folder, words = broken
-    command = [
-        *vllm_command(),
-        "serve",
-        str(folder),
-        "--port",
-        "0",
-        "--max-model-len",
-        "256",
-    ]
+def serve_until_exit(folder, *args: str) -> tuple[int, str]:
+    """Run `vllm serve` on a checkpoint expected to be refused: (code, output)."""
+    command = [*vllm_command(), "serve", str(folder), "--port", "0", *args]
     process = subprocess.Popen(
         command,
         stdout=subprocess.PIPE,
@@ -124,6 +116,20 @@ def test_vllm_serve_exits_nonzero_naming_the_field_or_tensor(broken):
         start_new_session=True,
     )
     output, _ = process.communicate(timeout=300)
-    assert process.returncode != 0, output[-3000:]
-    assert words in output, output[-3000:]
     assert group_exits(process.pid), "vllm serve left processes running"
+    return process.returncode, output
+
+
+def test_vllm_serve_exits_nonzero_naming_the_field_or_tensor(broken):
+    _, folder, words = broken
+    code, output = serve_until_exit(folder, "--max-model-len", "256")
+    assert code != 0, output[-3000:]
+    assert words in output, output[-3000:]
+
+
+def test_vllm_serve_refuses_a_bad_threshold_override(tiny_checkpoint):
+    code, output = serve_until_exit(
+        tiny_checkpoint, "--hf-overrides", '{"router_threshold": "high"}'
+    )
+    assert code != 0, output[-3000:]
+    assert "router_threshold" in output, output[-3000:]

@@ -259,6 +259,13 @@ def test_offline_drop_is_an_abort_with_deadline_exceeded(tiny_checkpoint):
     )
 
 
+def test_prompt_longer_than_the_context_gets_400(http, model):
+    reply = http.post("/v1/completions", json=body(model, prompt="river " * 3000))
+    assert reply.status_code == 400
+    assert "context length" in reply.json()["error"]["message"]
+    assert http.post("/v1/completions", json=body(model)).status_code == 200
+
+
 def test_triton_style_health_endpoints(http):
     assert http.get("/v2/health/live").json() == {"status": "live"}
     assert http.get("/v2/health/ready").json() == {"status": "ready"}

@@ -16,6 +16,7 @@ Each option maps to the vLLM setting it means:
 | `model_path` | the checkpoint folder (`LLM(model=...)`) |
 | `device` | "auto", "cpu" or "cuda[:N]", checked against vLLM's platform |
 | `dynamic_kv_cache` | prefix caching: hot KV blocks stay cached, evicted LRU |
+| `cold_kv_cache_gib` | KV offloading (`kv_offloading_size`) to host RAM; GPU only |
 | `int4_ffn` | `quantization="o3_int4"` (online; an o3_int4 checkpoint is already) |
 | `router_threshold` | `hf_overrides={"router_threshold": ...}` |
 | `max_model_len`, `tensor_parallel_size` | the same arguments |
@@ -41,6 +42,7 @@ class O3Config:
     model_path: str
     device: str = "auto"
     dynamic_kv_cache: bool = True
+    cold_kv_cache_gib: float | None = None
     int4_ffn: bool = False
     router_threshold: float | None = None
     max_model_len: int | None = None
@@ -77,6 +79,8 @@ class O3Config:
             arguments["hf_overrides"] = {"router_threshold": self.router_threshold}
         if self.max_model_len is not None:
             arguments["max_model_len"] = self.max_model_len
+        if self.cold_kv_cache_gib is not None:
+            arguments["kv_offloading_size"] = self.cold_kv_cache_gib
         return arguments
 
 
@@ -113,6 +117,12 @@ class O3Model:
                 raise ValueError(f"device={config.device!r} but vLLM has no GPU here")
             if ":" in config.device:
                 os.environ["CUDA_VISIBLE_DEVICES"] = config.device.split(":", 1)[1]
+        if config.cold_kv_cache_gib is not None and current_platform.is_cpu():
+            raise ValueError(
+                "cold_kv_cache_gib: vLLM's KV offloading needs a GPU (on a CPU the "
+                "KV cache already lives in host RAM; size it with "
+                "VLLM_CPU_KVCACHE_SPACE)"
+            )
         if current_platform.is_cpu():
             # vLLM's default KV cache share of RAM (0.92) is too much here.
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")

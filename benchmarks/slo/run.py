@@ -101,14 +101,26 @@ def client_summary(record: Path, policy: SchedulerPolicy) -> dict:
 def prometheus_verdicts(
     prom, start: float, end: float, policy: SchedulerPolicy
 ) -> dict:
+    """SLO verdicts from PromQL. Scrapes can time out while the CPU is
+    saturated, so no query leans on samples taken during the load: the load
+    generator's counters start at zero in each run (their last value is the
+    run's total), and server counters are read before and after the run."""
     window = f"{max(1, int(end - start))}s"
+
+    def served_since_start(expression: str) -> float | None:
+        after = prom.query(expression, end)
+        return None if after is None else after - (prom.query(expression, start) or 0)
+
+    def run_total(selector: str) -> str:
+        return f"sum(max_over_time({selector}[{window}]))"
+
     verdicts = {}
     for tier in TIERS:
-        total = f'sum(increase(loadgen_requests_total{{tier="{tier}"}}[{window}]))'
-        ok = f'sum(increase(loadgen_requests_total{{tier="{tier}",status="ok"}}[{window}]))'
+        total = run_total(f'loadgen_requests_total{{tier="{tier}"}}')
+        ok = run_total(f'loadgen_requests_total{{tier="{tier}",status="ok"}}')
 
         def quantile(q: float, metric: str, tier: str = tier) -> str:
-            buckets = f'increase({metric}_bucket{{tier="{tier}"}}[{window}])'
+            buckets = f'max_over_time({metric}_bucket{{tier="{tier}"}}[{window}])'
             return f"histogram_quantile({q}, sum by (le) ({buckets}))"
 
         availability = prom.query(f"({ok}) / ({total})", end)
@@ -120,16 +132,16 @@ def prometheus_verdicts(
             "ttft_p99": prom.query(quantile(0.99, "loadgen_ttft_seconds"), end),
             "e2e_p95": prom.query(quantile(0.95, "loadgen_e2e_seconds"), end),
             "e2e_p99": prom.query(quantile(0.99, "loadgen_e2e_seconds"), end),
-            "server_drops": prom.query(
-                f'sum(increase(o3_scheduler_deadline_drops_total{{tier="{tier}"}}[{window}]))', end
+            "server_drops": served_since_start(
+                f'sum(o3_scheduler_deadline_drops_total{{tier="{tier}"}})'
             ),
             "slo_met": availability is not None and availability >= AVAILABILITY_SLO
             and (deadline is None or (p95 is not None and p95 * 1e3 <= deadline)),
         }  # fmt: skip
+    heavy = served_since_start('sum(o3_router_tokens_total{path="heavy"})')
+    tokens = served_since_start("sum(o3_router_tokens_total)")
     verdicts["_server"] = {
-        "heavy_fraction": prom.query(
-            f'sum(increase(o3_router_tokens_total{{path="heavy"}}[{window}])) / '
-            f"sum(increase(o3_router_tokens_total[{window}]))", end),
+        "heavy_fraction": heavy / tokens if heavy is not None and tokens else None,
         "kv_usage_max": prom.query(f"max_over_time(vllm:kv_cache_usage_perc[{window}])", end),
         "kv_usage_mean": prom.query(f"avg_over_time(vllm:kv_cache_usage_perc[{window}])", end),
         "kv_fragmentation_mean": prom.query(
