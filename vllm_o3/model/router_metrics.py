@@ -56,16 +56,27 @@ class RouterCounts:
         )
         while True:
             time.sleep(EXPORT_INTERVAL_S)
-            with self._lock:
-                layers = dict(self._layers)
-            for index, counts in layers.items():
-                heavy, real = counts.tolist()
-                old_heavy, old_real = self._exported[index]
-                tokens.labels(str(index), "heavy").inc(heavy - old_heavy)
-                tokens.labels(str(index), "light").inc(
-                    (real - heavy) - (old_real - old_heavy)
-                )
-                self._exported[index] = (heavy, real)
+            self.export_once(tokens)
+
+    def export_once(self, tokens) -> None:
+        """Add what each layer counted since the last export to `tokens`.
+
+        The forward pass updates the two counts while this thread reads them,
+        so a read can see `heavy` advanced and `real` not yet (the light count
+        then seems to shrink): such a layer waits for the next round, which
+        sees both."""
+        with self._lock:
+            layers = dict(self._layers)
+        for index, counts in layers.items():
+            heavy, real = counts.tolist()
+            old_heavy, old_real = self._exported[index]
+            more_heavy = heavy - old_heavy
+            more_light = (real - heavy) - (old_real - old_heavy)
+            if more_heavy < 0 or more_light < 0:
+                continue
+            tokens.labels(str(index), "heavy").inc(more_heavy)
+            tokens.labels(str(index), "light").inc(more_light)
+            self._exported[index] = (heavy, real)
 
 
 ROUTER_COUNTS = RouterCounts()
