@@ -13,7 +13,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from vllm_o3.tools.debian import debian_program
 from vllm_o3.tools.server import (
     Server,
     free_port,
+    launch,
     launch_server,
     stop_server,
     wait_healthy,
@@ -102,14 +102,6 @@ class Cluster:
     def stop(self) -> None:
         for server in self.servers():
             stop_server(server)
-
-
-def launch(command: list[str], log: Path, port: int) -> Server:
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            command, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    return Server(process, port, log)
 
 
 def start_gateway(env: str, replicas: list[Server], folder: Path) -> Server:

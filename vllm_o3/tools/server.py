@@ -59,6 +59,12 @@ def launch_server(model: str | Path, log: Path, *args: str, env=None) -> Server:
         str(port),
         *args,
     ]
+    return launch(command, log, port, env)
+
+
+def launch(command: list[str], log: Path, port: int, env=None) -> Server:
+    """Start `command` in its own process group (so it is stopped whole, by
+    PID), its output in `log`; it is to listen on `port`."""
     with open(log, "wb") as sink:
         process = subprocess.Popen(
             command,
