@@ -18,11 +18,7 @@ import httpx
 
 from benchmarks.common import write_report
 from vllm_o3.tools.cluster import start_cluster
-from vllm_o3.tools.server import metric, metric_samples
-
-
-def served(server) -> float:
-    return metric(metric_samples(server.url), "vllm:request_success_total")
+from vllm_o3.tools.server import requests_served
 
 
 def send(url: str, env: str | None, prompt: str) -> str:
@@ -37,11 +33,15 @@ def send(url: str, env: str | None, prompt: str) -> str:
 
 
 def canary_split(cluster, requests: int) -> list[str]:
-    before = {e: sum(served(r) for r in rs) for e, rs in cluster.replicas.items()}
+    before = {
+        e: sum(requests_served(r) for r in rs) for e, rs in cluster.replicas.items()
+    }
     with ThreadPoolExecutor(4) as pool:
         outcomes = Counter(pool.map(lambda i: send(cluster.url, None, f"Q{i}"),
                                     range(requests)))  # fmt: skip
-    after = {e: sum(served(r) for r in rs) for e, rs in cluster.replicas.items()}
+    after = {
+        e: sum(requests_served(r) for r in rs) for e, rs in cluster.replicas.items()
+    }
     share = {e: after[e] - before[e] for e in after}
     header = {env: send(cluster.url, env, "by header") for env in ("canary", "staging", "prod", "blue")}  # fmt: skip
     return [
@@ -72,7 +72,7 @@ def failover(cluster, requests: int) -> list[str]:
         for future in futures:
             future.result()
     after_kill = [s for t, s in outcomes if t > killed_at]
-    before_survivor = served(survivor)
+    before_survivor = requests_served(survivor)
     tail = [send(cluster.url, "prod", f"T{i}") for i in range(20)]
     return [
         f"{requests} requests to prod (4 at a time); replica 2 of 2 killed with "
@@ -82,7 +82,7 @@ def failover(cluster, requests: int) -> list[str]:
         f"({len(outcomes)} of {requests} answered)",
         f"- answered after the kill: {dict(Counter(after_kill))}",
         f"- 20 more afterwards: {dict(Counter(tail))}, "
-        f"{served(survivor) - before_survivor:.0f} served by the survivor",
+        f"{requests_served(survivor) - before_survivor:.0f} served by the survivor",
     ]
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from vllm_o3.tools.cluster import start_cluster
-from vllm_o3.tools.server import metric, metric_samples
+from vllm_o3.tools.server import requests_served
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,6 @@ def cluster(tiny_checkpoint, tmp_path_factory):
     cluster.stop()
 
 
-def served(server) -> float:
-    """Requests a replica finished, by vLLM's own counter."""
-    return metric(metric_samples(server.url), "vllm:request_success_total")
-
-
 def completion(client, env: str | None = None, **fields) -> httpx.Response:
     headers = {"X-O3-Env": env} if env is not None else {}
     body = {"model": "o3", "prompt": "The river", "max_tokens": 2, **fields}
@@ -45,7 +40,7 @@ def completion(client, env: str | None = None, **fields) -> httpx.Response:
 
 
 def test_completions_and_chat_reach_both_prod_replicas(cluster):
-    before = [served(r) for r in cluster.replicas["prod"]]
+    before = [requests_served(r) for r in cluster.replicas["prod"]]
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
         for i in range(12):
             reply = completion(client, "prod", prompt=f"Story {i}: once upon a time")
@@ -58,29 +53,31 @@ def test_completions_and_chat_reach_both_prod_replicas(cluster):
             )  # fmt: skip
             assert chat.status_code == 200, chat.text
             assert chat.json()["choices"][0]["message"]["role"] == "assistant"
-    after = [served(r) for r in cluster.replicas["prod"]]
+    after = [requests_served(r) for r in cluster.replicas["prod"]]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
     assert sum(after) - sum(before) == 24
 
 
 def occupy(replica, tokens: int = 2000) -> threading.Thread:
-    """A long request straight to a replica, filling its only slot."""
+    """A long request straight to a replica, filling its only slot; returns
+    once it has streamed its first token. Its deadline is explicit: the
+    default `critical` one (50 ms) can pass while four replicas share 2 cores."""
+    started = threading.Event()
 
     def run():
         body = {"model": "o3", "prompt": "The river", "max_tokens": tokens,
-                "ignore_eos": True, "vllm_xargs": {"tier": "critical"}}  # fmt: skip
-        httpx.post(f"{replica.url}/v1/completions", json=body, timeout=300)
+                "ignore_eos": True, "stream": True,
+                "vllm_xargs": {"tier": "critical", "deadline_ms": 60_000}}  # fmt: skip
+        url = f"{replica.url}/v1/completions"
+        with httpx.stream("POST", url, json=body, timeout=300) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    started.set()
 
     thread = threading.Thread(target=run)
     thread.start()
+    assert started.wait(timeout=120), "the filler request never ran"
     return thread
-
-
-def wait_running(replica) -> None:
-    deadline = time.monotonic() + 60
-    while metric(metric_samples(replica.url), "vllm:num_requests_running") < 1:
-        assert time.monotonic() < deadline, "the filler request never ran"
-        time.sleep(0.1)
 
 
 def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
@@ -88,8 +85,6 @@ def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
     # forwards only authorization, x-request-id, x-correlation-id,
     # traceparent and tracestate (docs/scale-out.md).
     fillers = [occupy(r) for r in cluster.replicas["prod"]]
-    for replica in cluster.replicas["prod"]:
-        wait_running(replica)
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
         reply = completion(
             client, "prod", vllm_xargs={"tier": "high", "deadline_ms": 1}
@@ -102,7 +97,9 @@ def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
 
 
 def test_canary_header_and_weight(cluster):
-    counts = {env: [served(r) for r in rs] for env, rs in cluster.replicas.items()}
+    counts = {
+        env: [requests_served(r) for r in rs] for env, rs in cluster.replicas.items()
+    }
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
         for env in ("canary", "staging"):
             assert completion(client, env).status_code == 200
@@ -115,7 +112,7 @@ def test_canary_header_and_weight(cluster):
                                     range(headerless)))  # fmt: skip
         assert all(r.status_code == 200 for r in replies)
     delta = {
-        env: sum(served(r) for r in rs) - sum(counts[env])
+        env: sum(requests_served(r) for r in rs) - sum(counts[env])
         for env, rs in cluster.replicas.items()
     }
     assert delta["staging"] == 1
@@ -151,7 +148,7 @@ def test_replica_killed_under_load_is_taken_out_and_every_request_answered(clust
     assert ok >= total * 0.8, outcomes
     survivor = cluster.replicas["prod"][0]
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
-        before = served(survivor)
+        before = requests_served(survivor)
         for i in range(5):  # after removal, all traffic goes to the survivor
             assert completion(client, "prod", prompt=f"After {i}").status_code == 200
-    assert served(survivor) - before == 5
+    assert requests_served(survivor) - before == 5
