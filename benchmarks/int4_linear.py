@@ -22,7 +22,7 @@ from tqdm import tqdm
 from benchmarks.common import median_time, single_process_vllm, write_report
 
 SHAPES = {"gate_up": (11264, 2048), "down": (2048, 5632)}  # (out, in)
-ROWS = (1, 4, 16, 64, 96, 97, 256, 512, 2048)
+ROWS = (1, 4, 16, 64, 256, 512, 2048)  # plus both sides of the paths' switch
 COPIES_BYTES = 768 * 2**20  # of 16-bit weights per variant, beyond any cache
 
 
@@ -59,7 +59,8 @@ def main() -> None:
                     for _ in range(copies)
                 ]
             )
-            for m in tqdm(ROWS, desc=name):
+            switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
+            for m in tqdm(sorted({*ROWS, *switch}), desc=name):
                 x = torch.randn(m, in_features)
                 t_dense, t_int4, t_wna16 = (
                     median_time(lambda c=c, x=x: next(c)(x), args.repeats)

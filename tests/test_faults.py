@@ -5,6 +5,7 @@ told to), answer every request, and free what it held."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import httpx
 import psutil
 import pytest
 
+from vllm_o3.middleware import end_requests_when_engine_dies
 from vllm_o3.tools.server import (
     group_exits,
     metric,
@@ -160,3 +162,27 @@ def test_sigterm_during_load_ends_every_request_and_the_processes(
     assert len(outcomes) == 3, "a client hung"
     assert code in (0, -signal.SIGTERM)
     assert group_exits(server.process.pid), "orphan processes after SIGTERM"
+
+
+def test_requests_still_waiting_when_the_engine_dies_are_ended(monkeypatch):
+    """vLLM 0.32's shutdown can cancel the engine client's output handler
+    before it sees the engine die (the SIGTERM test meets this now and then):
+    the middleware's watch then ends the waiting requests itself."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    monkeypatch.setattr("vllm_o3.middleware.ENGINE_POLL_S", 0.01)
+    errors = []
+    engine = type("Engine", (), {})()
+    engine.errored = False
+    engine.output_processor = type("Processor", (), {})()
+    engine.output_processor.propagate_error = errors.append
+
+    async def scenario():
+        watch = asyncio.create_task(end_requests_when_engine_dies(engine))
+        await asyncio.sleep(0.1)
+        assert errors == []  # nothing ended while the engine runs
+        engine.errored = True
+        await asyncio.wait_for(watch, timeout=5)
+
+    asyncio.run(scenario())
+    assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)

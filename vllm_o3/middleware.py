@@ -9,11 +9,17 @@
 - a guard for a vLLM 0.32 CPU-backend crash: a request with `seed` kills the
   engine's worker when its prompt is prefilled in chunks ("CPU Generator does
   not use offset", vLLM's model runner rewinds the generator's offset, which
-  CPU generators lack). On the CPU platform such requests get HTTP 400.
+  CPU generators lack). On the CPU platform such requests get HTTP 400;
+- a guard for a vLLM 0.32 shutdown race: on SIGTERM, `AsyncLLM.shutdown` kills
+  the engine and cancels the output handler, and when the cancellation comes
+  first no request hears that the engine is gone: open streams wait forever,
+  and so does uvicorn's graceful shutdown. `end_requests_when_engine_dies`
+  fails them the way vLLM does when it notices itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from vllm_o3.scheduler.http import (
@@ -32,14 +38,24 @@ SEED_REFUSAL = (
 )
 
 
+ENGINE_POLL_S = 0.5
+
+
 class O3Middleware:
     def __init__(self, app):
         self.app = app
         self.tiers = O3TierMiddleware(app)
+        self.engine_watch: asyncio.Task | None = None
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        if self.engine_watch is None:
+            engine = getattr(scope["app"].state, "engine_client", None)
+            if hasattr(engine, "output_processor"):
+                self.engine_watch = asyncio.create_task(
+                    end_requests_when_engine_dies(engine)
+                )
         path = scope["path"]
         if path == LIVE:
             return await respond(send, 200, b'{"status": "live"}')
@@ -69,6 +85,16 @@ class O3Middleware:
         if status.get("code") == 200:
             return await respond(send, 200, b'{"status": "ready"}')
         await respond(send, 503, b'{"status": "not ready"}')
+
+
+async def end_requests_when_engine_dies(engine) -> None:
+    """Once the engine client reports the engine gone, end every request
+    still waiting for output with `EngineDeadError`."""
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    while not engine.errored:
+        await asyncio.sleep(ENGINE_POLL_S)
+    engine.output_processor.propagate_error(EngineDeadError())
 
 
 def has_seed(raw: bytes) -> bool:

@@ -1,7 +1,7 @@
 """y = x @ W^T for an `o3_int4` weight: the fastest correct kernel per platform
 and batch size.
 
-CPU, measured on this project's machines (docs/bench_int4.md):
+CPU, measured on this project's machines (docs/bench_int4_linear.md):
 - up to `SMALL_M_MAX` rows, torch's own packed-INT4 matmul
   (`_weight_int4pack_mm_for_cpu`): at one row it reads a quarter of the bytes
   of a 16-bit GEMV and is that much faster, but its cost grows with the rows;
