@@ -42,9 +42,14 @@ def rss_sampler(
 
 
 def server_counts(url: str) -> dict[str, float]:
+    """vLLM counts every finished request, the aborted ones (deadline drops
+    among them) under finished_reason="abort"."""
     samples = metric_samples(url)
     return {
         "vllm_finished": metric(samples, "vllm:request_success_total"),
+        "vllm_aborted": metric(
+            samples, "vllm:request_success_total", finished_reason="abort"
+        ),
         "o3_deadline_drops": metric(samples, "o3_scheduler_deadline_drops_total"),
     }
 
@@ -84,8 +89,10 @@ def main() -> None:
     outcomes = {
         s: sum(o.status == s for o in run.outcomes) for s in ("ok", "dropped", "error")
     }
-    finished = after["vllm_finished"] - before["vllm_finished"]
-    drops = after["o3_deadline_drops"] - before["o3_deadline_drops"]
+    finished, aborted, drops = (
+        after[k] - before[k]
+        for k in ("vllm_finished", "vllm_aborted", "o3_deadline_drops")
+    )
     rss = [r for _, r in samples]
     steady = rss[len(rss) // 4 :] or rss
     growth = (steady[-1] - steady[0]) / steady[0] if steady else 0.0
@@ -99,9 +106,11 @@ def main() -> None:
         f"| dropped with deadline_exceeded (client) | {outcomes['dropped']} |\n"
         f"| other errors (client) | {outcomes['error']} |\n"
         f"| finished requests (server, vllm:request_success_total) | {finished:.0f} |\n"
+        f"| of which aborted (finished_reason=abort) | {aborted:.0f} |\n"
         f"| deadline drops (server, o3_scheduler_deadline_drops_total) | {drops:.0f} |\n\n"
         f"Accounted for: client completed + dropped = {outcomes['ok'] + outcomes['dropped']}"
-        f" of {len(run.outcomes)} sent; server finished + dropped = {finished + drops:.0f}.\n\n"
+        f" of {len(run.outcomes)} sent; server completed (finished, not aborted) + "
+        f"deadline drops = {finished - aborted + drops:.0f}.\n\n"
         f"Resident memory (server and engine processes), sampled every {SAMPLE_S} s: "
         f"first {rss[0] / 2**20:.0f} MiB, last {rss[-1] / 2**20:.0f} MiB, "
         f"max {max(rss) / 2**20:.0f} MiB; growth over the last three quarters "
