@@ -16,12 +16,14 @@ Configured by environment variables (the harness sets them):
 
 Per request it measures time to first token, inter-token latency and end to
 end latency, counts status by tier (ok, dropped = 503 deadline_exceeded,
-error), and exports them as `loadgen_*` metrics for Prometheus.
+error, unfinished = still waiting when the run ended), and exports them as
+`loadgen_*` metrics for Prometheus.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import os
 import random
@@ -86,6 +88,12 @@ ITL = Histogram(
     buckets=(0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
 )  # fmt: skip
 _record = {"writer": None, "count": 0}
+# Requests sent and not yet answered, by id: (start wall time, tier). Those
+# still here when the run ends are recorded as `unfinished`, so that a tier
+# the scheduler starves is counted, not missing.
+_in_flight: dict[int, tuple[float, str]] = {}
+_request_ids = itertools.count()
+STATUSES = ("ok", "dropped", "error", "unfinished")
 
 
 # Two scrapes of the harness' Prometheus (1 s interval): long enough for it to
@@ -97,7 +105,7 @@ SCRAPE_MARGIN_S = 2.5
 def start_exporter(environment, **_):
     # Every tier and outcome has a series, at 0 when it saw no request.
     for tier in TIERS:
-        for status in ("ok", "dropped", "error"):
+        for status in STATUSES:
             REQUESTS.labels(tier, status)
         for histogram in (TTFT, E2E, ITL):
             histogram.labels(tier)
@@ -111,6 +119,10 @@ def start_exporter(environment, **_):
 
 @events.quitting.add_listener
 def close_record(environment, **_):
+    for wall, tier in list(_in_flight.values()):
+        REQUESTS.labels(tier, "unfinished").inc()
+        if _record["writer"] is not None:
+            _record["writer"].writerow([wall, tier, "unfinished", "", "", 0, ""])
     time.sleep(SCRAPE_MARGIN_S)  # the exporter dies with this process
     if _record.get("handle"):
         _record["handle"].close()
@@ -165,6 +177,8 @@ class OpenAIUser(User):
         tier = random.choices(self.tiers, self.weights)[0]
         start = time.perf_counter()
         wall = time.time()
+        request_id = next(_request_ids)
+        _in_flight[request_id] = (wall, tier)
         status, first, last, tokens = "error", None, None, 0
         try:
             with self.session.post(
@@ -197,6 +211,7 @@ class OpenAIUser(User):
         except Exception:  # noqa: BLE001 (any failure is an error outcome)
             status = "error"
         end = time.perf_counter()
+        del _in_flight[request_id]
         REQUESTS.labels(tier, status).inc()
         ttft = None if first is None else first - start
         tpot = None if first is None or tokens < 2 else (last - first) / (tokens - 1)
