@@ -7,7 +7,8 @@ Configured by environment variables (the harness sets them):
 |---|---|---|
 | O3_MODE | `open` (Poisson arrivals at O3_RATE/s) or `closed` (users back to back) | open |
 | O3_RATE | arrivals per second in open mode | 1.0 |
-| O3_MAX_REQUESTS | stop after this many requests (0: until --run-time) | 0 |
+| O3_MAX_REQUESTS | no arrivals after this many requests (0: no limit) | 0 |
+| O3_ARRIVAL_S | open mode: arrivals for this many seconds, then only the answers (0: until --run-time) | 0 |
 | O3_TIER_MIX | e.g. `critical:10,high:20,normal:50,low:20` | that |
 | O3_TIER_STYLE | `o3` (vllm_xargs.tier), `priority` (vLLM priority), `none` | o3 |
 | O3_PROMPT_TOKENS / O3_OUTPUT_TOKENS | `min-max` ranges, uniform | 32-256 / 16-64 |
@@ -31,7 +32,6 @@ import time
 
 import gevent
 from locust import User, constant, events, task
-from locust.exception import StopUser
 from prometheus_client import Counter, Histogram, start_http_server
 
 TIERS = ("critical", "high", "normal", "low")
@@ -151,12 +151,16 @@ class OpenAIUser(User):
             self.one_request()
             return
         rate = float(os.environ.get("O3_RATE", "1.0"))
-        while True:
+        window = float(os.environ.get("O3_ARRIVAL_S", "0"))
+        start = time.monotonic()
+        while not window or time.monotonic() - start < window:
             gevent.sleep(random.expovariate(rate))
             if self.max_requests and _record["count"] >= self.max_requests:
-                raise StopUser()
+                break
             _record["count"] += 1
             gevent.spawn(self.one_request)
+        while True:  # arrivals are over; the requests drain until --run-time
+            gevent.sleep(1)
 
     def body(self, tier: str) -> dict:
         words = random.randint(*self.prompt_span)  # ~1 token per word here

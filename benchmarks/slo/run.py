@@ -49,13 +49,18 @@ def run_locust(
         "O3_MODE": args.mode, "O3_RATE": f"{rate}", "O3_EXPORTER_PORT": str(exporter_port),
         "O3_RECORD": str(record), "O3_TIER_STYLE": args.style,
         "O3_MAX_REQUESTS": str(args.max_requests), "O3_PROMPT_TOKENS": args.prompt_tokens,
-        "O3_OUTPUT_TOKENS": args.output_tokens,
+        "O3_OUTPUT_TOKENS": args.output_tokens, "O3_ARRIVAL_S": str(duration),
     }  # fmt: skip
-    users = "1" if args.mode == "open" else str(args.users)
+    # Open loop: arrivals for `duration`, then `drain` s for their answers and
+    # no longer (what is still unanswered is recorded as unfinished). Closed
+    # loop: users stop at `duration`, each finishing its request within `drain`.
+    users, run_time, stop_timeout = "1", duration + args.drain, 0
+    if args.mode == "closed":
+        users, run_time, stop_timeout = str(args.users), duration, args.drain
     subprocess.run(
         [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "-u", users,
-         "-r", users, "--run-time", f"{int(duration)}s", "--host", url, "--only-summary",
-         "--stop-timeout", "120", "--loglevel", "WARNING",
+         "-r", users, "--run-time", f"{int(run_time)}s", "--host", url, "--only-summary",
+         "--stop-timeout", str(int(stop_timeout)), "--loglevel", "WARNING",
          "--exit-code-on-error", "0"],  # drops are outcomes, not a failed run
         env=env, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
@@ -271,7 +276,8 @@ def report(
     results: dict, extra: dict, plots: list[str], args, policy: SchedulerPolicy
 ) -> str:
     lines = [
-        f"Model `{args.model or args.url}`; {args.mode} loop, {args.duration:g} s per rate; "
+        f"Model `{args.model or args.url}`; {args.mode} loop, {args.duration:g} s of load per rate "
+        f"and up to {args.drain:g} s more for its answers (`unfinished`: still unanswered then); "
         f"prompts {args.prompt_tokens} words, outputs {args.output_tokens} tokens; "
         f"tier mix 10/20/50/20 %. Measured capacity {extra['capacity']:.2f} req/s "
         f"(with `--max-num-seqs 1`: {extra.get('capacity_unbatched', float('nan')):.2f}). "
@@ -343,7 +349,11 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--url", help="use this running server instead of starting one")
     parser.add_argument("--schedulers", nargs="+", default=["o3", "fcfs", "priority"])
     parser.add_argument("--rates", nargs="+", type=float, default=[0.5, 1.0, 2.0])
-    parser.add_argument("--duration", type=float, default=60)
+    parser.add_argument("--duration", type=float, default=60, help="arrivals, s")
+    parser.add_argument(
+        "--drain", type=float, default=30,
+        help="s after the arrivals for answers; later ones count as unfinished",
+    )  # fmt: skip
     parser.add_argument("--mode", choices=["open", "closed"], default="open")
     parser.add_argument("--users", type=int, default=8, help="closed loop")
     parser.add_argument("--max-requests", type=int, default=0)
