@@ -9,9 +9,8 @@ replayed at 0.5x, 1x and 2x that capacity. Per tier: SLO attainment
 the idle server's TTFT; a dropped request misses it), TTFT p50/p99, drops;
 overall goodput (requests meeting their SLO per second of arrivals: a
 scheduler that serves a deadline-free `low` request late is not charged for
-the wait). Also the scheduler's
-own time per step with 1,000 waiting requests, O3 vs vLLM's priority
-scheduler, in-process.
+the wait). Also the scheduler's own time per step with 1,000 waiting
+requests, O3 vs vLLM's priority scheduler, in-process.
 
 The seed's deadlines (critical 50 ms) are shorter than one engine step of a
 CPU; `--deadline-scale` multiplies them, for O3Scheduler and the SLO alike.
