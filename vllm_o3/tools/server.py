@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -165,11 +166,20 @@ def requests_served(server: Server) -> float:
     return metric(metric_samples(server.url), "vllm:request_success_total")
 
 
+# vLLM 0.32 logs at ERROR some client errors it answers with a 4xx (e.g. an
+# unknown model name: "Error with model error=ErrorInfo(..., code=404)").
+CLIENT_ERROR_LOGGED = re.compile(r"Error with model error=ErrorInfo\(.*code=4\d\d\)$")
+
+
 def errors_while_serving(log: Path) -> list[str]:
     """ERROR and Traceback lines a server logged before its shutdown began
-    (vLLM 0.32 may log an EngineDeadError while it tears itself down)."""
+    (vLLM 0.32 may log an EngineDeadError while it tears itself down), less
+    vLLM's logging of client errors it answered with a 4xx."""
     lines = log.read_text(errors="replace").splitlines()
     serving = next((i for i, line in enumerate(lines) if "[shutdown]" in line), None)
     return [
-        line for line in lines[:serving] if " ERROR " in line or "Traceback" in line
+        line
+        for line in lines[:serving]
+        if (" ERROR " in line or "Traceback" in line)
+        and not CLIENT_ERROR_LOGGED.search(line)
     ]
