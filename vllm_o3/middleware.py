@@ -3,6 +3,7 @@
     vllm serve o3 --middleware vllm_o3.middleware.O3Middleware \\
         --scheduler-cls vllm_o3.scheduler.O3Scheduler
 
+- `/openapi.json` with these additions documented (`vllm_o3.openapi`);
 - `/v2/health/live` (the process answers) and `/v2/health/ready` (the model is
   loaded and the engine answers vLLM's own `/health`), as Triton users expect;
 - the priority-tier request fields and errors (`scheduler.http`);
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+from vllm_o3.openapi import with_o3_additions
 from vllm_o3.scheduler.http import (
     GENERATION_PATHS,
     O3TierMiddleware,
@@ -32,6 +34,7 @@ from vllm_o3.scheduler.http import (
 )
 
 LIVE, READY = "/v2/health/live", "/v2/health/ready"
+OPENAPI = "/openapi.json"
 SEED_REFUSAL = (
     "per-request `seed` is refused on this server: vLLM 0.32's CPU backend crashes "
     "its worker on seeded requests whose prompt is prefilled in chunks"
@@ -61,6 +64,8 @@ class O3Middleware:
             return await respond(send, 200, b'{"status": "live"}')
         if path == READY:
             return await self.ready(scope, send)
+        if path == OPENAPI:
+            return await self.openapi(scope, receive, send)
         if scope["method"] == "POST" and path in GENERATION_PATHS and cpu_platform():
             raw = await read_body(receive)
             if has_seed(raw):
@@ -68,6 +73,22 @@ class O3Middleware:
                 return await respond(send, 400, body)
             receive = replay(raw, receive)
         return await self.tiers(scope, receive, send)
+
+    async def openapi(self, scope, receive, send) -> None:
+        """vLLM's schema with O3's additions; anything but a 200 as it was."""
+        start, chunks = {}, []
+
+        async def capture(message):
+            if message["type"] == "http.response.start":
+                start.update(message)
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, capture)
+        body = b"".join(chunks)
+        if start.get("status") == 200:
+            body = json.dumps(with_o3_additions(json.loads(body))).encode()
+        await respond(send, start.get("status", 500), body, start)
 
     async def ready(self, scope, send) -> None:
         """Ask vLLM's own /health; ready when it answers 200."""
