@@ -63,6 +63,14 @@ def git_revision() -> str:
     return "unknown"
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile of `values`; None when there are none."""
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
 def write_report(name: str, title: str, body: str) -> Path:
     """Write `docs/<name>.md` with the command, machine and revision on top."""
     DOCS.mkdir(exist_ok=True)

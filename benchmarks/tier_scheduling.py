@@ -34,7 +34,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.common import write_report
+from benchmarks.common import percentile, write_report
 from vllm_o3.scheduler.tiers import SchedulerPolicy, Tier
 
 TIER_MIX = {Tier.CRITICAL: 0.1, Tier.HIGH: 0.2, Tier.NORMAL: 0.5, Tier.LOW: 0.2}
@@ -181,11 +181,8 @@ async def capacity(
     return requests / seconds
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
+def ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
 async def idle_ttft(url: str, model: str, requests: int = 5) -> float:
@@ -226,7 +223,7 @@ def summarise(
         errors = sum(o.status == "error" for o in outcomes)
         rows.append(
             f"{tier.label} | {len(outcomes)} | {len(met) / len(outcomes):.1%} | "
-            f"{percentile(ttfts, 0.5) * 1e3:.0f} | {percentile(ttfts, 0.99) * 1e3:.0f} | "
+            f"{ms(percentile(ttfts, 0.5))} | {ms(percentile(ttfts, 0.99))} | "
             f"{drops} | {errors}"
         )
     return rows, met_total / run.arrival_window_s

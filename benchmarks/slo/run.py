@@ -31,6 +31,7 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.common import percentile
 from benchmarks.slo.prometheus import start_prometheus
 from benchmarks.tier_scheduling import capacity, scaled_deadlines, server_args
 from vllm_o3.scheduler.tiers import SchedulerPolicy, Tier
@@ -64,13 +65,6 @@ def run_locust(
          "--exit-code-on-error", "0"],  # drops are outcomes, not a failed run
         env=env, check=True, stdout=subprocess.DEVNULL,
     )  # fmt: skip
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q * len(values)))]
 
 
 def mean_request(args) -> tuple[str, int]:
