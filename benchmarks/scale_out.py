@@ -18,7 +18,7 @@ import httpx
 
 from benchmarks.common import write_report
 from vllm_o3.tools.cluster import start_cluster
-from vllm_o3.tools.server import requests_served
+from vllm_o3.tools.server import deadline_drops, requests_served
 
 
 def send(url: str, env: str | None, prompt: str) -> str:
@@ -33,23 +33,25 @@ def send(url: str, env: str | None, prompt: str) -> str:
 
 
 def canary_split(cluster, requests: int) -> list[str]:
-    before = {
-        e: sum(requests_served(r) for r in rs) for e, rs in cluster.replicas.items()
-    }
+    def counts(count) -> dict[str, float]:
+        return {e: sum(map(count, rs)) for e, rs in cluster.replicas.items()}
+
+    before, drops_before = counts(requests_served), counts(deadline_drops)
     with ThreadPoolExecutor(4) as pool:
         outcomes = Counter(pool.map(lambda i: send(cluster.url, None, f"Q{i}"),
                                     range(requests)))  # fmt: skip
-    after = {
-        e: sum(requests_served(r) for r in rs) for e, rs in cluster.replicas.items()
-    }
+    after, drops_after = counts(requests_served), counts(deadline_drops)
     share = {e: after[e] - before[e] for e in after}
+    drops = sum(drops_after.values()) - sum(drops_before.values())
     header = {env: send(cluster.url, env, "by header") for env in ("canary", "staging", "prod", "blue")}  # fmt: skip
     return [
         f"{requests} requests without `X-O3-Env` (4 at a time): outcomes "
         f"{dict(outcomes)}; served by prod {share['prod']:.0f} "
         f"({share['prod'] / requests:.1%}), canary {share['canary']:.0f} "
         f"({share['canary'] / requests:.1%}), staging {share['staging']:.0f}. "
-        "Target: 95 / 5 / 0.",
+        "Target: 95 / 5 / 0. Replicas dropped "
+        f"{drops:.0f} requests at their deadline; smg retries a 503 (on any "
+        "replica of the environment), so the client saw none of them.",
         "",
         "By header: " + ", ".join(f"`{e}` → HTTP {s}" for e, s in header.items()) + ".",
     ]

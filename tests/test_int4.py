@@ -20,7 +20,7 @@ from tests.utils import (
     vllm_engine,
     vllm_generations,
 )
-from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear
+from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear, dense_buffer
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.int4_format import (
@@ -88,6 +88,19 @@ def test_cpu_kernel_equals_dequantized_matmul(sym, group_size, rows):
     torch.testing.assert_close(
         got, want, atol=0.05 * want.abs().max().item(), rtol=0.02
     )
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_dequantizing_path_holds_the_reference_weight(sym, group_size):
+    # The weight the GEMM path multiplies by: the reference, rounded once.
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    linear(torch.randn(SMALL_M_MAX + 1, 256, dtype=torch.bfloat16))
+    dense = dense_buffer((96, 256), torch.bfloat16).float()
+    want = dequantize(packed, torch.float32)
+    assert torch.equal(dense, want.to(torch.bfloat16).float())
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
 - above, the weight is dequantized once per call into a buffer shared by all
   layers (one pass, compiled by torch) and the 16-bit GEMM runs on it.
 Both hold the same quantized values, in torch's packed layout and in a
-row-major nibble layout (together 1 byte per weight, half of 16-bit). Between
-about 8 and 2,000 rows neither beats a 16-bit GEMM on this CPU: the
-benchmark says by how much.
+row-major nibble layout (together 1 byte per weight, half of 16-bit). From
+about 8 rows on neither beats a 16-bit GEMM on this CPU (the dequantization
+is a fixed cost per call, so the gap closes as rows grow): the benchmark
+says by how much.
 
 GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
 Marlin, Machete, ...) on the checkpoint's GPTQ layout.
@@ -25,20 +26,40 @@ from torch import nn
 
 from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
-# Measured crossover of the two CPU paths (docs/bench_int4_linear.md).
-SMALL_M_MAX = 128
+# Measured crossover of the two CPU paths, between 32 and 48 rows for both
+# FFN shapes of the 1b preset (docs/bench_int4_linear.md).
+SMALL_M_MAX = 40
 INNER_K_TILES = 2
 
 
+# Nibble shifts of the two halves of a group in `group_halves` layout.
+HALF_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
+
+
+def pack_group_halves(q: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[N, K] 4-bit values two to a byte: within each group, byte j holds
+    k = j (low nibble) and k = j + group_size / 2 (high nibble), so that
+    unpacking writes two contiguous runs per group and vectorizes (an
+    interleaved layout makes torch.compile split it in two slower passes)."""
+    n, k = q.shape
+    halves = q.to(torch.uint8).view(n, k // group_size, 2, group_size // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+
+
 def _dequantize_into(
-    out: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    shifts: torch.Tensor,
 ) -> torch.Tensor:
     """out[n, k] = q[n, k] * scales[n, g] - offsets[n, g], g = k // group_size,
-    with q packed two to a byte along k (even k in the low nibble)."""
+    q in `pack_group_halves` layout, scales and offsets in float32; one pass."""
     n, k = out.shape
     groups = scales.shape[1]
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).view(n, groups, k // groups)
-    w = q.to(out.dtype) * scales.unsqueeze(-1) - offsets.unsqueeze(-1)
+    halves = packed.view(n, groups, 1, k // groups // 2)
+    q = ((halves >> shifts) & 15).to(torch.float32)
+    w = q * scales.view(n, groups, 1, 1) - offsets.view(n, groups, 1, 1)
     return out.copy_(w.view(n, k))
 
 
@@ -109,14 +130,19 @@ class Int4Linear(nn.Module):
         )
         scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
         self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
-        # Two to a byte along k, row-major by output: what the dequantizing
-        # path reads contiguously.
+        # Row-major by output, two to a byte: what the dequantizing path reads.
         self.register_buffer(
-            "rows", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), persistent=False
+            "rows", pack_group_halves(q, self.group_size), persistent=False
         )
-        self.register_buffer("row_scales", scales.t().contiguous(), persistent=False)
+        # In float32, where q * scale - zero * scale is exact: the dequantized
+        # weight is the reference's, rounded once.
         self.register_buffer(
-            "row_offsets", (zeros * scales).t().contiguous(), persistent=False
+            "row_scales", scales.float().t().contiguous(), persistent=False
+        )
+        self.register_buffer(
+            "row_offsets",
+            (zeros.float() * scales.float()).t().contiguous(),
+            persistent=False,
         )
         self.forward = self._forward_cpu
 
@@ -134,7 +160,7 @@ class Int4Linear(nn.Module):
         else:
             dense = dense_buffer((self.out_features, self.in_features), self.dtype)
             compiled_dequantize_into()(
-                dense, self.rows, self.row_scales, self.row_offsets
+                dense, self.rows, self.row_scales, self.row_offsets, HALF_SHIFTS
             )
             y = torch.nn.functional.linear(x, dense)
         return y.reshape(*shape[:-1], self.out_features)

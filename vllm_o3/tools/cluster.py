@@ -24,7 +24,7 @@ from vllm_o3.tools.server import (
     free_port,
     launch,
     launch_server,
-    stop_server,
+    stop_servers,
     wait_healthy,
 )
 
@@ -91,7 +91,7 @@ class Cluster:
         return self.proxy.url
 
     def servers(self) -> list[Server]:
-        """Front to back, the order to stop them in."""
+        """Front to back, the order they are sent SIGTERM in."""
         front = [self.proxy] if self.proxy else []
         return [
             *front,
@@ -100,8 +100,7 @@ class Cluster:
         ]
 
     def stop(self) -> None:
-        for server in self.servers():
-            stop_server(server)
+        stop_servers(list(self.servers()))
 
 
 def start_gateway(env: str, replicas: list[Server], folder: Path) -> Server:
@@ -194,10 +193,6 @@ def start_cluster(
     return cluster
 
 
-def interrupt(*_) -> None:
-    raise KeyboardInterrupt
-
-
 def serve_cluster(model: str, sizes: dict[str, int], replica_args, canary_percent):
     """Run a cluster until Ctrl-C or SIGTERM, then stop all of it."""
     cluster = start_cluster(model, sizes, tuple(replica_args), canary_percent)
@@ -206,6 +201,5 @@ def serve_cluster(model: str, sizes: dict[str, int], replica_args, canary_percen
         for env, replicas in cluster.replicas.items():
             print(f"  {env}: gateway {cluster.gateways[env].url}, replicas "
                   + ", ".join(r.url for r in replicas))  # fmt: skip
-        signal.signal(signal.SIGTERM, interrupt)
         signal.pause()
     cluster.stop()

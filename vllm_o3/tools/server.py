@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,9 +64,24 @@ def launch_server(model: str | Path, log: Path, *args: str, env=None) -> Server:
     return launch(command, log, port, env)
 
 
+def interrupt(*_) -> None:
+    raise KeyboardInterrupt
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM unwind the program like Ctrl-C, so that the `finally`
+    blocks that stop its servers run (where nothing else handles SIGTERM)."""
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    ):
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def launch(command: list[str], log: Path, port: int, env=None) -> Server:
     """Start `command` in its own process group (so it is stopped whole, by
     PID), its output in `log`; it is to listen on `port`."""
+    unwind_on_sigterm()
     with open(log, "wb") as sink:
         process = subprocess.Popen(
             command,
@@ -105,13 +121,25 @@ def wait_healthy(server: Server, timeout: float = 600, path: str = "/health"):
 
 def stop_server(server: Server, timeout: float = 60) -> int:
     """SIGTERM the server's process group by PID; SIGKILL what is left."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(server.process.pid, signal.SIGTERM)
-    try:
-        return server.process.wait(timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.process.pid, signal.SIGKILL)
-        return server.process.wait()
+    return stop_servers([server], timeout)[0]
+
+
+def stop_servers(servers: list[Server], timeout: float = 60) -> list[int]:
+    """Stop several servers at once: SIGTERM every process group, then wait;
+    SIGKILL the groups still there after `timeout`. Their exit codes."""
+    for server in servers:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    codes = []
+    for server in servers:
+        try:
+            codes.append(server.process.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.process.pid, signal.SIGKILL)
+            codes.append(server.process.wait())
+    return codes
 
 
 def processes_in_group(pgid: int) -> list[int]:
@@ -162,8 +190,18 @@ def metric(samples: dict, name: str, **labels: str) -> float:
 
 
 def requests_served(server: Server) -> float:
-    """Requests a server finished, by vLLM's own counter."""
-    return metric(metric_samples(server.url), "vllm:request_success_total")
+    """Requests a server completed (vLLM's own counter; it also counts the
+    aborted ones, deadline drops among them, which are not served)."""
+    samples = metric_samples(server.url)
+    return sum(
+        metric(samples, "vllm:request_success_total", finished_reason=reason)
+        for reason in ("stop", "length")
+    )
+
+
+def deadline_drops(server: Server) -> float:
+    """Requests O3Scheduler dropped at their queue deadline."""
+    return metric(metric_samples(server.url), "o3_scheduler_deadline_drops_total")
 
 
 # vLLM 0.32 logs at ERROR some client errors it answers with a 4xx (e.g. an
