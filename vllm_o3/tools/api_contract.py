@@ -34,6 +34,14 @@ SERVE_ARGS = (
 )  # fmt: skip
 
 
+# npm's error codes for a registry it cannot reach.
+NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT")
+
+
+class OpticUnavailable(RuntimeError):
+    """No npm, or no npm registry, to install Optic from."""
+
+
 def optic_program(cache: Path = DEFAULT_CACHE) -> Path:
     """Optic installed with `npm ci` from the committed manifest and lock file
     into the cache, all or nothing."""
@@ -44,17 +52,24 @@ def optic_program(cache: Path = DEFAULT_CACHE) -> Path:
         return program
     npm = shutil.which("npm")
     if npm is None:
-        raise RuntimeError("npm (Node.js) is needed to install the Optic diff tool")
+        raise OpticUnavailable("npm (Node.js) is needed to install Optic")
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix="optic-partial-") as scratch:
         for name in ("package.json", "package-lock.json"):
             shutil.copy(OPTIC_MANIFEST / name, scratch)
-        subprocess.run(
+        result = subprocess.run(
             [npm, "ci", "--ignore-scripts", "--no-audit", "--no-fund"],
             cwd=scratch,
-            check=True,
             capture_output=True,
+            text=True,
         )
+        if result.returncode:
+            error = (
+                OpticUnavailable
+                if any(code in result.stderr for code in NETWORK_ERRORS)
+                else RuntimeError
+            )
+            raise error(f"npm ci of Optic failed:\n{result.stderr[-2000:]}")
         Path(scratch).rename(root)
     return program
 
@@ -77,9 +92,15 @@ def breaking_changes(
     result = subprocess.run(
         [
             str(optic_program(cache)),
-            "diff", str(before), str(after),
-            "--check", "--standard", str(STANDARD), "--severity", "error",
-        ],  # fmt: skip
+            "diff",
+            str(before),
+            str(after),
+            "--check",
+            "--standard",
+            str(STANDARD),
+            "--severity",
+            "error",
+        ],
         capture_output=True,
         text=True,
         env={**os.environ, "OPTIC_TELEMETRY_LEVEL": "off", "NO_COLOR": "1"},
