@@ -71,6 +71,14 @@ def percentile(values: list[float], q: float) -> float | None:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+def weight_bytes(model) -> int:
+    """Bytes of the loaded model's parameters and buffers. Runs in vLLM's
+    worker through `LLM.apply_model`, which pickles functions of `__main__`
+    by value and fails on them: so it lives here, importable."""
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
 def write_report(name: str, title: str, body: str) -> Path:
     """Write `docs/<name>.md` with the command, machine and revision on top."""
     DOCS.mkdir(exist_ok=True)

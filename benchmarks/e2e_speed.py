@@ -50,12 +50,6 @@ VARIANTS = {
 }
 
 
-def weight_bytes(model) -> int:
-    """Bytes of the loaded model's parameters and buffers (runs in the worker)."""
-    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class Engine:
     """One LLM plus the measurements, each with its heavy fraction."""
 
@@ -112,6 +106,8 @@ class Engine:
 
 
 def measure(model: str, options: dict, eager: bool, repeats: int) -> dict:
+    from benchmarks.common import weight_bytes
+
     engine = Engine(model, options, eager)
     try:
         engine.timed(engine.decode_prompts[:2], 4)  # warm-up

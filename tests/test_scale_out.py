@@ -81,17 +81,31 @@ def occupy(replica, tokens: int = 2000) -> threading.Thread:
 
 
 def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
-    # The body's vllm_xargs arrive unchanged. X-O3-* headers do not: smg 1.13
-    # forwards only authorization, x-request-id, x-correlation-id,
-    # traceparent and tracestate (docs/scale-out.md).
+    # The body's vllm_xargs cross smg unchanged; smg 1.13 drops X-O3-*
+    # headers (it forwards only authorization, x-request-id, x-correlation-id,
+    # traceparent and tracestate), so nginx carries them in tracestate.
     fillers = [occupy(r) for r in cluster.replicas["prod"]]
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
-        reply = completion(
+        by_body = completion(
             client, "prod", vllm_xargs={"tier": "high", "deadline_ms": 1}
         )
-    assert reply.status_code == 503, reply.text
-    error = reply.json()["error"]
-    assert error["type"] == "deadline_exceeded" and "high" in error["message"]
+        by_header = client.post(
+            "/v1/completions",
+            json={"model": "o3", "prompt": "The river", "max_tokens": 2},
+            headers={"X-O3-Env": "prod", "X-O3-Tier": "low", "X-O3-Deadline-Ms": "1"},
+        )
+        bad_header = client.post(
+            "/v1/completions",
+            json={"model": "o3", "prompt": "The river", "max_tokens": 2},
+            headers={"X-O3-Env": "prod", "X-O3-Tier": "urgent"},
+        )
+    for reply, tier in ((by_body, "high"), (by_header, "low")):
+        assert reply.status_code == 503, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "deadline_exceeded", error
+        assert f"'{tier}'" in error["message"] and "1 ms" in error["message"], error
+    assert bad_header.status_code == 400, bad_header.text
+    assert "urgent" in bad_header.json()["error"]["message"]
     for thread in fillers:
         thread.join(timeout=300)
 

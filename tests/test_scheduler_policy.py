@@ -23,6 +23,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm_o3 import register
 from vllm_o3.scheduler import O3AsyncScheduler, O3Scheduler
 from vllm_o3.scheduler.breaker import BreakerState
+from vllm_o3.scheduler.http import with_tracestate_fields
 from vllm_o3.scheduler.tiers import SchedulerPolicy, Tier, parse_request_fields
 
 BLOCK = 16
@@ -410,3 +411,22 @@ def test_good_request_fields():
     fields = parse_request_fields({"tier": "CRITICAL", "deadline_ms": 25})
     assert fields.tier == Tier.CRITICAL and fields.deadline_ms == 25.0
     assert parse_request_fields(None).tier == Tier.NORMAL
+
+
+@pytest.mark.parametrize(
+    ("headers", "want"),
+    [
+        ({"tracestate": "o3=tier:high;deadline-ms:50"},
+         {"x-o3-tier": "high", "x-o3-deadline-ms": "50"}),
+        ({"tracestate": "o3=tier:low;deadline-ms:,congo=t61rcWkgMzE"},
+         {"x-o3-tier": "low"}),
+        ({"tracestate": "congo=t61rcWkgMzE, o3=tier:;deadline-ms:7"},
+         {"x-o3-deadline-ms": "7"}),
+        ({"tracestate": "congo=t61rcWkgMzE"}, {}),
+        # Headers that arrive themselves win over the tracestate copy.
+        ({"tracestate": "o3=tier:high", "x-o3-tier": "low"}, {"x-o3-tier": "low"}),
+    ],
+)  # fmt: skip
+def test_o3_headers_carried_in_tracestate(headers, want):
+    got = with_tracestate_fields(headers)
+    assert {k: v for k, v in got.items() if k.startswith("x-o3-")} == want

@@ -7,7 +7,8 @@ deadline drops explicit on the way out.
 In: `vllm_xargs.tier` / `vllm_xargs.deadline_ms` and the headers `X-O3-Tier` /
 `X-O3-Deadline-Ms` are validated (HTTP 400 with a message naming the field on
 a bad value) and the header values are written into `vllm_xargs`, where the
-scheduler reads them.
+scheduler reads them. Behind a gateway that drops them, the headers may come
+as the `o3` member of `tracestate` (see `with_tracestate_fields`).
 
 Out: a request the scheduler dropped at its deadline gets HTTP 503 with
 `{"error": {"type": "deadline_exceeded", ...}}` naming its tier and deadline;
@@ -42,6 +43,34 @@ def error_body(message: str, kind: str, code: int, param: str | None = None) -> 
     """vLLM's (OpenAI's) error JSON."""
     error = {"message": message, "type": kind, "param": param, "code": code}
     return json.dumps({"error": error}).encode()
+
+
+# Gateways that forward only tracing headers (smg 1.13) carry the X-O3-*
+# headers across as the `o3` member of W3C `tracestate`, which the cluster's
+# nginx writes: `o3=tier:high;deadline-ms:50`.
+TRACESTATE_MEMBER = "o3"
+TRACESTATE_KEYS = {"tier": TIER_HEADER, "deadline-ms": DEADLINE_HEADER}
+
+
+def with_tracestate_fields(headers: dict[str, str]) -> dict[str, str]:
+    """`headers` plus the X-O3-* values carried in `tracestate`, where the
+    headers themselves are absent."""
+    members = (m.strip() for m in headers.get("tracestate", "").split(","))
+    state = next(
+        (m.partition("=")[2] for m in members if m.startswith(f"{TRACESTATE_MEMBER}=")),
+        None,
+    )
+    if state is None or TIER_HEADER in headers or DEADLINE_HEADER in headers:
+        return headers
+    carried = dict(item.partition(":")[::2] for item in state.split(";") if item)
+    return {
+        **headers,
+        **{
+            header: carried[key]
+            for key, header in TRACESTATE_KEYS.items()
+            if carried.get(key)
+        },
+    }
 
 
 class BadField(ValueError):
@@ -107,7 +136,9 @@ class O3TierMiddleware:
             body = None
         if not isinstance(body, dict):  # vLLM answers malformed bodies itself
             return await self.app(scope, replay(raw, receive), send)
-        headers = {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = with_tracestate_fields(
+            {k.decode().lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        )
         try:
             fields = merged_fields(body, headers)
         except BadField as error:

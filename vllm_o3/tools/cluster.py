@@ -56,6 +56,16 @@ http {{
         {canary_percent}% o3_canary;
         * o3_prod;
     }}
+    # smg forwards only tracing headers: X-O3-Tier and X-O3-Deadline-Ms cross
+    # it as the `o3` member of tracestate (vllm_o3.scheduler.http).
+    map $http_tracestate $o3_rest {{
+        "" "";
+        default ",$http_tracestate";
+    }}
+    map "$http_x_o3_tier|$http_x_o3_deadline_ms" $o3_tracestate {{
+        "|" $http_tracestate;
+        default "o3=tier:$http_x_o3_tier;deadline-ms:$http_x_o3_deadline_ms$o3_rest";
+    }}
     map $http_x_o3_env $o3_upstream {{
         "" $o3_weighted;
 {env_map}
@@ -71,6 +81,7 @@ http {{
             proxy_pass http://$o3_upstream;
             proxy_http_version 1.1;
             proxy_set_header Connection "";
+            proxy_set_header tracestate $o3_tracestate;
             proxy_buffering off;  # token streaming
             proxy_read_timeout 600s;
         }}

@@ -94,7 +94,7 @@ def distill(
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            losses.append(float(loss))
+            losses.append(loss.item())
             progress.update()
             progress.set_postfix(kl=f"{losses[-1]:.4f}")
     finally:
