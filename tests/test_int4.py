@@ -103,6 +103,29 @@ def test_dequantizing_path_holds_the_reference_weight(sym, group_size):
     assert torch.equal(dense, want.to(torch.bfloat16).float())
 
 
+def test_compiled_linear_picks_the_path_per_call():
+    # vLLM compiles once, with a large batch, and drops the guards (as below)
+    # so that one graph serves every batch size: a one-row call must still
+    # take the packed INT4 matmul.
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 128, True)
+    linear = Int4Linear(packed, torch.bfloat16)
+    compiled = torch.compile(
+        linear,
+        dynamic=True,
+        fullgraph=True,
+        options={"guard_filter_fn": lambda guards: [False] * len(guards)},
+    )
+    compiled(torch.randn(4 * SMALL_M_MAX, 256, dtype=torch.bfloat16))
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    packed_path = torch._weight_int4pack_mm_for_cpu(
+        x, linear.packed, linear.group_size, linear.scale_zero
+    )
+    dense_path = x @ dequantize(packed, torch.bfloat16).t()
+    assert not torch.equal(packed_path, dense_path)  # the paths are told apart
+    assert torch.equal(compiled(x), packed_path)
+
+
 @pytest.fixture(scope="module")
 def int4_checkpoints(tiny_checkpoint, tmp_path_factory):
     root = tmp_path_factory.mktemp("int4")

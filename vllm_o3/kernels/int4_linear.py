@@ -87,6 +87,31 @@ def compiled_dequantize_into():
     return _compiled_dequantize_into
 
 
+@torch.library.custom_op("o3::int4_linear_cpu", mutates_args=())
+def int4_linear_cpu(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale_zero: torch.Tensor,
+    rows: torch.Tensor,
+    row_scales: torch.Tensor,
+    row_offsets: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """The CPU paths, chosen by the rows of each call. An operation opaque to
+    torch.compile: traced inline, the choice would be fixed at the batch size
+    vLLM compiles with and taken for every batch."""
+    if x.shape[0] <= SMALL_M_MAX:
+        return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
+    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
+    compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
+    return torch.nn.functional.linear(x, dense)
+
+
+@int4_linear_cpu.register_fake
+def _(x, packed, scale_zero, rows, row_scales, row_offsets, group_size):
+    return x.new_empty(x.shape[0], rows.shape[0])
+
+
 class Int4Linear(nn.Module):
     """One INT4 projection, ready to run; built from the checkpoint layout."""
 
@@ -153,16 +178,15 @@ class Int4Linear(nn.Module):
             raise TypeError(
                 f"{self.name}: input is {x.dtype}, weights are {self.dtype}"
             )
-        if x.shape[0] <= SMALL_M_MAX:
-            y = torch._weight_int4pack_mm_for_cpu(
-                x.contiguous(), self.packed, self.group_size, self.scale_zero
-            )
-        else:
-            dense = dense_buffer((self.out_features, self.in_features), self.dtype)
-            compiled_dequantize_into()(
-                dense, self.rows, self.row_scales, self.row_offsets, HALF_SHIFTS
-            )
-            y = torch.nn.functional.linear(x, dense)
+        y = torch.ops.o3.int4_linear_cpu(
+            x.contiguous(),
+            self.packed,
+            self.scale_zero,
+            self.rows,
+            self.row_scales,
+            self.row_offsets,
+            self.group_size,
+        )
         return y.reshape(*shape[:-1], self.out_features)
 
     # -- GPUs -----------------------------------------------------------------
