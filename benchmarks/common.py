@@ -72,11 +72,24 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of the loaded model's parameters and buffers. Runs in vLLM's
-    worker through `LLM.apply_model`, which pickles functions of `__main__`
-    by value and fails on them: so it lives here, importable."""
+    """Bytes of the loaded model's weights: parameters and buffers, plus the
+    16-bit linear weights that vLLM's CPU backend moved into oneDNN (their
+    parameter left empty), at their 16-bit size. Runs in vLLM's worker
+    through `LLM.apply_model`, which fails on functions of `__main__`: so it
+    lives here, importable."""
     tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (
+            hasattr(module, "cpu_linear")
+            and isinstance(weight, torch.Tensor)
+            and weight.numel() == 0
+        ):
+            inputs = getattr(module, "input_size_per_partition", module.input_size)
+            outputs = getattr(module, "output_size_per_partition", module.output_size)
+            total += inputs * outputs * weight.element_size()
+    return total
 
 
 def write_report(name: str, title: str, body: str) -> Path:

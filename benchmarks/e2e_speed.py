@@ -173,7 +173,7 @@ def main() -> None:
         f"off; medians of {args.repeats} repeats; heavy fraction over all routed "
         "layers during the measurement.\n\n"
         + "\n".join(lines)
-        + "\n\nLoaded weights (parameters and buffers):\n\n"
+        + "\n\nLoaded weights (parameters, buffers and the 16-bit linear weights vLLM holds in oneDNN):\n\n"
         + weights
     )
     print(body)

@@ -32,7 +32,7 @@ SMALL_M_MAX = 40
 INNER_K_TILES = 2
 
 
-# Nibble shifts of the two halves of a group in `group_halves` layout.
+# Nibble shifts of the two halves of a group in `pack_group_halves` layout.
 HALF_SHIFTS = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
 
 
