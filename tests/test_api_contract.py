@@ -14,7 +14,6 @@ import pytest
 
 from vllm_o3.scheduler.tiers import TIER_NAMES
 from vllm_o3.tools.api_contract import (
-    SERVE_ARGS,
     SNAPSHOT,
     OpticUnavailable,
     breaking_changes,
@@ -22,7 +21,7 @@ from vllm_o3.tools.api_contract import (
     served_schema,
     write_schema,
 )
-from vllm_o3.tools.server import start_server, stop_server
+from vllm_o3.tools.server import O3_SERVE_ARGS, start_server, stop_server
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +29,7 @@ def served(tiny_checkpoint, tmp_path_factory):
     folder = tmp_path_factory.mktemp("contract")
     server = start_server(
         tiny_checkpoint, folder / "server.log",
-        "--max-model-len", "256", "--enforce-eager", *SERVE_ARGS,
+        "--max-model-len", "256", "--enforce-eager", *O3_SERVE_ARGS,
     )  # fmt: skip
     try:
         schema = served_schema(server.url)

@@ -27,13 +27,6 @@ CONTRACT = Path(__file__).resolve().parents[2] / "tests" / "contract"
 SNAPSHOT = CONTRACT / "openapi.json"
 STANDARD = CONTRACT / "optic-standard.yml"
 OPTIC_MANIFEST = CONTRACT / "optic"
-# The server flags whose API the contract covers: the plugin is loaded by vLLM.
-SERVE_ARGS = (
-    "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
-    "--middleware", "vllm_o3.middleware.O3Middleware",
-)  # fmt: skip
-
-
 # npm's error codes for a registry it cannot reach.
 NETWORK_ERRORS = ("ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ECONNRESET", "ETIMEDOUT")
 
@@ -118,7 +111,7 @@ def breaking_changes(
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm_o3.tools.server import start_server, stop_server
+    from vllm_o3.tools.server import O3_SERVE_ARGS, start_server, stop_server
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="checkpoint folder to serve")
@@ -130,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
-        server = start_server(args.model, log, "--max-model-len", "256", *SERVE_ARGS)
+        server = start_server(args.model, log, "--max-model-len", "256", *O3_SERVE_ARGS)
         try:
             schema = served_schema(server.url)
         finally:

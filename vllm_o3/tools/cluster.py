@@ -20,6 +20,7 @@ from pathlib import Path
 
 from vllm_o3.tools.debian import debian_program
 from vllm_o3.tools.server import (
+    O3_SERVE_ARGS,
     Server,
     free_port,
     launch,
@@ -29,11 +30,7 @@ from vllm_o3.tools.server import (
 )
 
 ENVIRONMENTS = ("prod", "canary", "staging")
-REPLICA_ARGS = (
-    "--served-model-name", "o3",
-    "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
-    "--middleware", "vllm_o3.middleware.O3Middleware",
-)  # fmt: skip
+REPLICA_ARGS = ("--served-model-name", "o3", *O3_SERVE_ARGS)
 UNKNOWN_ENV = (
     '{"error": {"message": "X-O3-Env must be one of canary, staging, prod", '
     '"type": "BadRequestError", "param": "X-O3-Env", "code": 400}}'

@@ -35,6 +35,13 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
+# The flags that turn `vllm serve` into an O3 server: the plugin loads itself.
+O3_SERVE_ARGS = (
+    "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
+    "--middleware", "vllm_o3.middleware.O3Middleware",
+)  # fmt: skip
+
+
 def vllm_command() -> list[str]:
     """The `vllm` command of the running Python environment."""
     return [str(Path(sys.executable).with_name("vllm"))]
