@@ -76,36 +76,37 @@ class O3Middleware:
 
     async def openapi(self, scope, receive, send) -> None:
         """vLLM's schema with O3's additions; anything but a 200 as it was."""
-        start, chunks = {}, []
-
-        async def capture(message):
-            if message["type"] == "http.response.start":
-                start.update(message)
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
-        await self.app(scope, receive, capture)
-        body = b"".join(chunks)
+        start, body = await captured_response(self.app, scope, receive)
         if start.get("status") == 200:
             body = json.dumps(with_o3_additions(json.loads(body))).encode()
         await respond(send, start.get("status", 500), body, start)
 
     async def ready(self, scope, send) -> None:
         """Ask vLLM's own /health; ready when it answers 200."""
-        status = {}
-
-        async def capture(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
 
         async def no_body():
             return {"type": "http.request", "body": b"", "more_body": False}
 
         health = {**scope, "path": "/health", "raw_path": b"/health", "method": "GET"}
-        await self.app(health, no_body, capture)
-        if status.get("code") == 200:
+        start, _ = await captured_response(self.app, health, no_body)
+        if start.get("status") == 200:
             return await respond(send, 200, b'{"status": "ready"}')
         await respond(send, 503, b'{"status": "not ready"}')
+
+
+async def captured_response(app, scope, receive) -> tuple[dict, bytes]:
+    """Run `app` for one request and keep its response: the start message
+    and the whole body."""
+    start, chunks = {}, []
+
+    async def capture(message):
+        if message["type"] == "http.response.start":
+            start.update(message)
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, capture)
+    return start, b"".join(chunks)
 
 
 async def end_requests_when_engine_dies(engine) -> None:
