@@ -26,7 +26,9 @@ POLICY = {
         "high": {"breaker_drops": 2},
         "normal": {"breaker_drops": None},
     },
-    "breaker_cooldown_s": 10,
+    # Long enough that the open state is still there when the test reads it
+    # on a loaded CI machine (10 s was once read as half-open already).
+    "breaker_cooldown_s": 20,
 }
 SLOTS = 2
 
