@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import tempfile
 import time
@@ -107,7 +106,6 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     args = parser.parse_args()
     # vLLM on CPU would otherwise reserve most of RAM for the KV cache.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     settings = {"prefix caching on": "--enable-prefix-caching",
                 "prefix caching off": "--no-enable-prefix-caching"}  # fmt: skip
     results = {}

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import tempfile
 import threading
 import time
@@ -63,7 +62,6 @@ def main() -> None:
     parser.add_argument("--load", type=float, default=0.8)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     log = Path(tempfile.mkdtemp(prefix="soak-")) / "server.log"
     server = start_server(
         args.model, log, "--max-num-seqs", str(args.max_num_seqs),

@@ -363,7 +363,6 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if not (args.model or args.url):
         parser.error("give a MODEL to serve or --url of a running server")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     o3_policy = scaled_deadlines(args.deadline_scale)
     policy = SchedulerPolicy.from_config(o3_policy)
     args.out.mkdir(parents=True, exist_ok=True)

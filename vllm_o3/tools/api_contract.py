@@ -119,8 +119,6 @@ def main(argv: list[str] | None = None) -> None:
         "--update", action="store_true", help="write the served schema as the snapshot"
     )
     args = parser.parse_args(argv)
-    # vLLM on CPU would reserve most of RAM for a KV cache this check never fills.
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         server = start_server(args.model, log, "--max-model-len", "256", *O3_SERVE_ARGS)

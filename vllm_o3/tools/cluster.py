@@ -173,14 +173,7 @@ def start_cluster(
             cluster.replicas[env] = []
             for i in range(sizes[env]):
                 log = folder / f"replica-{env}-{i}.log"
-                cpu = {
-                    "VLLM_CPU_OMP_THREADS_BIND": str(n % cores),
-                    # Replicas share the RAM: each takes a KV cache of this
-                    # many GiB instead of vLLM's default fraction of all of it.
-                    "VLLM_CPU_KVCACHE_SPACE": os.environ.get(
-                        "VLLM_CPU_KVCACHE_SPACE", "2"
-                    ),
-                }
+                cpu = {"VLLM_CPU_OMP_THREADS_BIND": str(n % cores)}
                 server = launch_server(
                     model, log, *REPLICA_ARGS, *replica_args, env=cpu
                 )

@@ -35,6 +35,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
 
+KV_CACHE_GIB = "2"
+
 # The flags that turn `vllm serve` into an O3 server: the plugin loads itself.
 O3_SERVE_ARGS = (
     "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
@@ -87,14 +89,17 @@ def unwind_on_sigterm() -> None:
 
 def launch(command: list[str], log: Path, port: int, env=None) -> Server:
     """Start `command` in its own process group (so it is stopped whole, by
-    PID), its output in `log`; it is to listen on `port`."""
+    PID), its output in `log`; it is to listen on `port`. Without
+    `VLLM_CPU_KVCACHE_SPACE` in `env` or the environment, a CPU server gets a
+    KV cache of `KV_CACHE_GIB`: vLLM's default fraction of all RAM fails once
+    two servers, or a server and its load, share a machine."""
     unwind_on_sigterm()
     with open(log, "wb") as sink:
         process = subprocess.Popen(
             command,
             stdout=sink,
             stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
+            env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, **os.environ, **(env or {})},
             start_new_session=True,
         )
     return Server(process, port, log)
