@@ -56,10 +56,17 @@ def command_line() -> str:
 
 
 def git_revision() -> str:
+    """HEAD, with `+changes` when the working tree differs from it."""
     with contextlib.suppress(Exception):
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
+
+        def git(*args: str) -> str:
+            return subprocess.run(
+                ["git", *args], capture_output=True, text=True, check=True
+            ).stdout.strip()
+
+        return git("rev-parse", "--short", "HEAD") + (
+            "+changes" if git("status", "--porcelain") else ""
+        )
     return "unknown"
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -36,11 +35,16 @@ import httpx
 
 from benchmarks.common import percentile, write_report
 from vllm_o3.scheduler.tiers import SchedulerPolicy, Tier
+from vllm_o3.tools.server import O3_SERVE_ARGS, start_server, stop_server
 
 TIER_MIX = {Tier.CRITICAL: 0.1, Tier.HIGH: 0.2, Tier.NORMAL: 0.5, Tier.LOW: 0.2}
 SCHEDULERS = ("fcfs", "priority", "o3")
 PROMPT = "Summarise the history of the river in two sentences: " * 4
 MAX_TOKENS = 32
+FRONT_ENDS = {
+    "http": "`vllm serve`, streamed completions from an httpx client on the same machine",
+    "engine": "in-process `LLMEngine`, no HTTP (benchmarks/tier_engine_replay.py)",
+}
 
 
 @dataclass
@@ -64,10 +68,7 @@ def server_args(scheduler: str, o3_policy: dict | None = None) -> list[str]:
         policy = []
         if o3_policy:
             policy = ["--additional-config", json.dumps({"o3_scheduler": o3_policy})]
-        return [
-            "--scheduler-cls", "vllm_o3.scheduler.O3Scheduler",
-            "--middleware", "vllm_o3.middleware.O3Middleware", *policy,
-        ]  # fmt: skip
+        return [*O3_SERVE_ARGS, *policy]
     return []
 
 
@@ -120,25 +121,32 @@ async def one_request(client: httpx.AsyncClient, body: dict, tier: Tier) -> Outc
     return Outcome(tier, "ok", ttft, time.perf_counter() - start)
 
 
+def arrivals(rate: float, duration: float, seed: int) -> list[tuple[float, Tier]]:
+    """Open loop: Poisson arrival times (s) at `rate`/s for `duration` s, and
+    each request's tier."""
+    rng = random.Random(seed)
+    tiers, weights = zip(*TIER_MIX.items(), strict=True)
+    trace, at = [], 0.0
+    while at < duration:
+        trace.append((at, rng.choices(tiers, weights)[0]))
+        at += rng.expovariate(rate)
+    return trace
+
+
 async def replay(
     url: str, model: str, scheduler: str, rate: float, duration: float, seed: int
 ) -> Run:
-    """Open loop: Poisson arrivals at `rate`/s for `duration` s."""
-    rng = random.Random(seed)
-    tiers, weights = zip(*TIER_MIX.items(), strict=True)
+    """Sends each request of `arrivals(rate, duration, seed)` when it is due."""
     tasks = []
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         start = time.perf_counter()
-        next_at = 0.0
-        while next_at < duration:
-            await asyncio.sleep(max(0.0, start + next_at - time.perf_counter()))
-            tier = rng.choices(tiers, weights)[0]
+        for at, tier in arrivals(rate, duration, seed):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             tasks.append(
                 asyncio.create_task(
                     one_request(client, request_body(model, scheduler, tier), tier)
                 )
             )
-            next_at += rng.expovariate(rate)
         outcomes = await asyncio.gather(*tasks)
         return Run(list(outcomes), duration)
 
@@ -299,10 +307,44 @@ def scheduler_step_time(
     return results
 
 
+def measure_http(
+    model: str,
+    flags: list[str],
+    scheduler: str,
+    capacity_rps: float | None,
+    rates: list[float],
+    duration: float,
+) -> tuple[float, float, dict[float, Run]]:
+    """A `vllm serve` of `model` with `flags`: capacity (unless given), idle
+    TTFT, then the trace at each rate."""
+    log = Path(tempfile.mkdtemp(prefix="tier-bench-")) / f"{scheduler}.log"
+    server = start_server(model, log, *flags)
+    try:
+        if capacity_rps is None:
+            capacity_rps = asyncio.run(capacity(server.url, model))
+        idle = asyncio.run(idle_ttft(server.url, model))
+        runs = {
+            factor: asyncio.run(
+                replay(
+                    server.url,
+                    model,
+                    scheduler,
+                    factor * capacity_rps,
+                    duration,
+                    seed=1,
+                )
+            )
+            for factor in rates
+        }
+    finally:
+        stop_server(server)
+    return capacity_rps, idle, runs
+
+
 def main() -> None:
     from tqdm import tqdm
 
-    from vllm_o3.tools.server import start_server, stop_server
+    from benchmarks.tier_engine_replay import measure_in_child
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model")
@@ -313,46 +355,36 @@ def main() -> None:
         "--deadline-scale", type=float, default=1.0,
         help="multiply the seed's tier deadlines (they assume a GPU's step time)",
     )  # fmt: skip
+    parser.add_argument(
+        "--front-end", choices=("http", "engine"), default="http",
+        help="replay through `vllm serve` or on an in-process engine (no HTTP)",
+    )  # fmt: skip
     args = parser.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     o3_policy = scaled_deadlines(args.deadline_scale)
     policy = SchedulerPolicy.from_config(o3_policy)
-    logs = Path(tempfile.mkdtemp(prefix="tier-bench-"))
+    measure = measure_http if args.front_end == "http" else measure_in_child
     capacity_rps = None
     sections = []
     goodput: dict[tuple[str, float], float] = {}
     for scheduler in tqdm(SCHEDULERS, desc="schedulers"):
-        server = start_server(
-            args.model, logs / f"{scheduler}.log", "--max-num-seqs", str(args.max_num_seqs),
-            "--max-model-len", "1024", *server_args(scheduler, o3_policy),
-        )  # fmt: skip
-        try:
-            if capacity_rps is None:
-                capacity_rps = asyncio.run(capacity(server.url, args.model))
-            idle = asyncio.run(idle_ttft(server.url, args.model))
-            for factor in args.rates:
-                run = asyncio.run(
-                    replay(
-                        server.url,
-                        args.model,
-                        scheduler,
-                        factor * capacity_rps,
-                        args.duration,
-                        seed=1,
-                    )
-                )
-                rows, good = summarise(run, policy, idle)
-                goodput[scheduler, factor] = good
-                sections.append(
-                    f"### {scheduler}, {factor}x capacity ({factor * capacity_rps:.2f} req/s, "
-                    f"{len(run.outcomes)} requests; idle TTFT {idle * 1e3:.0f} ms)\n\n"
-                    "| tier | requests | SLO attainment | TTFT p50 ms | TTFT p99 ms | drops | errors |\n"
-                    "|---|---|---|---|---|---|---|\n"
-                    + "\n".join(f"| {r} |" for r in rows)
-                    + f"\n\nGoodput: {good:.2f} req/s meeting their SLO\n"
-                )
-        finally:
-            stop_server(server)
+        flags = [
+            "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "1024",
+            *server_args(scheduler, o3_policy),
+        ]  # fmt: skip
+        capacity_rps, idle, runs = measure(
+            args.model, flags, scheduler, capacity_rps, args.rates, args.duration
+        )
+        for factor, run in runs.items():
+            rows, good = summarise(run, policy, idle)
+            goodput[scheduler, factor] = good
+            sections.append(
+                f"### {scheduler}, {factor}x capacity ({factor * capacity_rps:.2f} req/s, "
+                f"{len(run.outcomes)} requests; idle TTFT {idle * 1e3:.0f} ms)\n\n"
+                "| tier | requests | SLO attainment | TTFT p50 ms | TTFT p99 ms | drops | errors |\n"
+                "|---|---|---|---|---|---|---|\n"
+                + "\n".join(f"| {r} |" for r in rows)
+                + f"\n\nGoodput: {good:.2f} req/s meeting their SLO\n"
+            )
     steps = scheduler_step_time(args.model)
     goodput_table = "\n".join(
         f"| {f}x | " + " | ".join(f"{goodput[s, f]:.2f}" for s in SCHEDULERS) + " |"
@@ -360,7 +392,7 @@ def main() -> None:
     )
     body = (
         f"Model `{args.model}`, `--max-num-seqs {args.max_num_seqs}`, prompts of ~{len(PROMPT) // 4} "
-        f"tokens, {MAX_TOKENS} output tokens, streamed. Measured capacity: "
+        f"tokens, {MAX_TOKENS} output tokens; {FRONT_ENDS[args.front_end]}. Measured capacity: "
         f"{capacity_rps:.2f} req/s. Tier deadlines (the seed's x{args.deadline_scale:g}; "
         "SLO = scheduled within it, taken as TTFT less the server's idle TTFT): "
         + ", ".join(
@@ -379,7 +411,12 @@ def main() -> None:
     )
     print(body)
     print(
-        f"written to {write_report('bench_tier_scheduling', 'Priority tiers under load', body)}"
+        "written to",
+        write_report(
+            "bench_tier_scheduling" + ("_engine" if args.front_end == "engine" else ""),
+            f"Priority tiers under load ({args.front_end} front end)",
+            body,
+        ),
     )
 
 
