@@ -105,7 +105,6 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     args = parser.parse_args()
-    # vLLM on CPU would otherwise reserve most of RAM for the KV cache.
     settings = {"prefix caching on": "--enable-prefix-caching",
                 "prefix caching off": "--no-enable-prefix-caching"}  # fmt: skip
     results = {}
