@@ -25,7 +25,7 @@ from benchmarks.tier_scheduling import (
     request_body,
 )
 from vllm_o3.scheduler.tiers import Tier
-from vllm_o3.tools.server import KV_CACHE_GIB
+from vllm_o3.tools.server import KV_CACHE_GIB, unwind_on_sigterm
 
 API_SERVER_FLAGS = {"--middleware"}  # each takes one value; no engine meaning
 
@@ -141,7 +141,9 @@ def _send_result(connection, fn, args) -> None:
 
 def measure_in_child(*args) -> tuple[float, float, dict[float, Run]]:
     """`measure` in a fresh process: each engine has the machine to itself
-    and gives all its memory back."""
+    and gives all its memory back. Interrupted (Ctrl-C, SIGTERM), the child
+    is stopped with it."""
+    unwind_on_sigterm()
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
     process = context.Process(target=_send_result, args=(send, measure, args))
@@ -154,10 +156,13 @@ def measure_in_child(*args) -> tuple[float, float, dict[float, Run]]:
         raise RuntimeError(
             f"engine benchmark process died (exit code {process.exitcode})"
         ) from None
+    except BaseException:
+        process.terminate()
+        raise
     finally:
         process.join(timeout=60)
         if process.is_alive():
-            process.terminate()
+            process.kill()
             process.join()
     if not ok:
         raise result
