@@ -47,8 +47,8 @@ def engine(flags: list[str]):
     return LLMEngine.from_engine_args(EngineArgs.from_cli_args(namespace))
 
 
-def sampling(scheduler: str, tier: Tier, prompt: str = PROMPT):
-    """Prompt, sampling parameters and priority of the HTTP benchmark's body."""
+def sampling(scheduler: str, tier: Tier):
+    """Sampling parameters and priority of the HTTP benchmark's body."""
     from vllm import SamplingParams
 
     body = request_body("", scheduler, tier)
@@ -58,7 +58,7 @@ def sampling(scheduler: str, tier: Tier, prompt: str = PROMPT):
         temperature=0,
         extra_args=body.get("vllm_xargs"),
     )
-    return prompt, params, body.get("priority", 0)
+    return params, body.get("priority", 0)
 
 
 def drive(llm, requests: list[tuple[float, Tier, str]], scheduler: str) -> Run:
@@ -74,7 +74,7 @@ def drive(llm, requests: list[tuple[float, Tier, str]], scheduler: str) -> Run:
             at, tier, prompt = pending.popleft()
             request_id = str(len(due))
             due[request_id] = (start + at, tier)
-            prompt, params, priority = sampling(scheduler, tier, prompt)
+            params, priority = sampling(scheduler, tier)
             llm.add_request(
                 request_id, prompt, params, arrival_time=start + at, priority=priority
             )
