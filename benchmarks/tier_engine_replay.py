@@ -18,6 +18,8 @@ import time
 from collections import deque
 
 from benchmarks.tier_scheduling import (
+    CAPACITY_BURST,
+    IDLE_REQUESTS,
     PROMPT,
     Outcome,
     Run,
@@ -106,12 +108,12 @@ def measure(
     rates: list[float],
     duration: float,
 ) -> tuple[float, float, dict[float, Run]]:
-    """As the HTTP benchmark measures a server: capacity (a burst of 48
-    distinct `low` prompts, unless given), idle TTFT (median of 5 lone
+    """As the HTTP benchmark measures a server: capacity (a burst of
+    distinct `low` prompts, unless given), idle TTFT (median of lone
     requests), then the trace at each rate."""
     llm = engine(["--model", model, *flags])
     if capacity_rps is None:
-        burst = [(0.0, Tier.LOW, f"{i}. {PROMPT}") for i in range(48)]
+        burst = [(0.0, Tier.LOW, f"{i}. {PROMPT}") for i in range(CAPACITY_BURST)]
         start = time.time()
         run = drive(llm, burst, scheduler)
         if any(o.status != "ok" for o in run.outcomes):
@@ -119,7 +121,7 @@ def measure(
         capacity_rps = len(burst) / (time.time() - start)
     idle = statistics.median(
         drive(llm, [(0.0, Tier.LOW, PROMPT)], scheduler).outcomes[0].ttft
-        for _ in range(5)
+        for _ in range(IDLE_REQUESTS)
     )
     runs = {}
     for factor in rates:

@@ -41,6 +41,8 @@ TIER_MIX = {Tier.CRITICAL: 0.1, Tier.HIGH: 0.2, Tier.NORMAL: 0.5, Tier.LOW: 0.2}
 SCHEDULERS = ("fcfs", "priority", "o3")
 PROMPT = "Summarise the history of the river in two sentences: " * 4
 MAX_TOKENS = 32
+CAPACITY_BURST = 48  # requests in the saturating burst that measures capacity
+IDLE_REQUESTS = 5  # lone requests whose median TTFT is the idle TTFT
 FRONT_ENDS = {
     "http": "`vllm serve`, streamed completions from an httpx client on the same machine",
     "engine": "in-process `LLMEngine`, no HTTP (benchmarks/tier_engine_replay.py)",
@@ -154,7 +156,7 @@ async def replay(
 async def capacity(
     url: str,
     model: str,
-    requests: int = 48,
+    requests: int = CAPACITY_BURST,
     prompt: str = PROMPT,
     max_tokens: int = MAX_TOKENS,
 ) -> float:
@@ -193,7 +195,7 @@ def ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.0f}"
 
 
-async def idle_ttft(url: str, model: str, requests: int = 5) -> float:
+async def idle_ttft(url: str, model: str, requests: int = IDLE_REQUESTS) -> float:
     """Median first-token time of a lone request: the prefill and HTTP cost
     that every TTFT includes besides its wait in the queue."""
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
