@@ -102,9 +102,12 @@ def test_disconnected_clients_are_aborted_and_their_kv_freed(server):
 
 def burst(url: str, model: str) -> list[httpx.Response]:
     """Ten times the server's slots at once, tier `high` (200 ms deadline),
-    each long enough that the queued ones cannot start in time."""
+    each long enough that the queued ones cannot start in time: 1,000 decode
+    steps outlast the deadline even on a fast machine, and outlast the time
+    the API server takes to pass all the requests to the engine (256 did not:
+    arrivals spread by a busy front end found slots free again)."""
     body = request_body(
-        model, max_tokens=256, ignore_eos=True, vllm_xargs={"tier": "high"}
+        model, max_tokens=1000, ignore_eos=True, vllm_xargs={"tier": "high"}
     )
 
     def one(_):
