@@ -5,8 +5,8 @@ For a range of router thresholds (each a different share of tokens on the full
 FFN in the routed layers): perplexity per domain, the heavy fraction reached,
 the FFN FLOPs saved, and perplexity with random routing at the same per-layer
 fractions. The converter's own sweeps (on held-out calibration text; fitted
-only and after training) are plotted beside them. Writes docs/conversion.md
-and docs/conversion_quality.png.
+only and after training) are plotted beside them. Writes
+docs/conversion_quality.md and docs/conversion_quality.png.
 
     python -m benchmarks.conversion_quality MODEL [--windows 4]
 """
@@ -113,7 +113,7 @@ def main() -> None:
     ]
     print("\n".join(lines))
     title = "Converted SmolLM2-135M-Instruct: quality against FFN savings"
-    print(f"written to {write_report('conversion', title, chr(10).join(lines))}")
+    print(f"written to {write_report('conversion_quality', title, chr(10).join(lines))}")
 
 
 def plot(rows, parent, report, domains) -> Path:
@@ -126,8 +126,9 @@ def plot(rows, parent, report, domains) -> Path:
         return 100 * max(ppl[d] / base[d] - 1 for d in domains if d in ppl)
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    recipe = "fitted only" if report.get("training") is None else "trained"
     ax.plot([100 * r["saved"] for r in rows], [worst(r["ppl"], parent) for r in rows],
-            marker="o", label="trained router, held-out text")  # fmt: skip
+            marker="o", label=f"this model ({recipe}), held-out text")  # fmt: skip
     ax.plot([100 * r["saved"] for r in rows], [worst(r["random"], parent) for r in rows],
             marker="x", linestyle="--", label="random routing, same fractions")  # fmt: skip
     for key, marker, label in (

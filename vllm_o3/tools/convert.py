@@ -45,7 +45,7 @@ LAYER_SHARES = (1.0, 0.75, 0.5)
 ROUTER_HIDDEN = 64
 ALL_HEAVY_BIAS = 1e4  # a router bias that sends every token heavy
 CALIBRATION_STRIDE = 4  # the sweep calibrates biases on every 4th fit window
-TRAIN_HEAVY_FRACTION = 0.5
+TRAIN_HEAVY_FRACTION = 0.6  # near the points the budget can reach after training
 
 
 @dataclass
