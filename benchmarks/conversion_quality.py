@@ -113,7 +113,9 @@ def main() -> None:
     ]
     print("\n".join(lines))
     title = "Converted SmolLM2-135M-Instruct: quality against FFN savings"
-    print(f"written to {write_report('conversion_quality', title, chr(10).join(lines))}")
+    print(
+        f"written to {write_report('conversion_quality', title, chr(10).join(lines))}"
+    )
 
 
 def plot(rows, parent, report, domains) -> Path:
