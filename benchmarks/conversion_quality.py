@@ -40,6 +40,12 @@ def main() -> None:
     parser.add_argument(
         "--windows", type=int, default=4, help="512-token windows per domain"
     )
+    parser.add_argument(
+        "--trained",
+        type=Path,
+        help="a conversion of the same parent with --train-minutes, whose "
+        "converter sweep after training is plotted beside",
+    )
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
@@ -68,7 +74,12 @@ def main() -> None:
              "saved": ffn_flops_saved(config, heavy), "ppl": ppl, "random": random}
         )  # fmt: skip
     config.router_threshold = 0.85
-    plot_path = plot(rows, parent, report, domains)
+    trained = None
+    if args.trained is not None:
+        trained = json.loads((args.trained / "config.json").read_text())[
+            "o3_conversion"
+        ]
+    plot_path = plot(rows, parent, report, trained, domains)
     target = report["operating_point"]["heavy_fraction"]
     lines = [
         f"Converted by `{report.get('command', 'vllm-o3 convert')}` from `{report['parent']}`: "
@@ -107,9 +118,10 @@ def main() -> None:
         "",
         f"![perplexity increase vs FFN FLOPs saved]({plot_path.name})",
         "",
-        "The converter's own sweep on held-out calibration text (`o3_conversion.sweep` "
-        "in config.json) chose the served point; its fitted-only and trained sweeps are "
-        "the squares and circles of the plot.",
+        "The converter's own sweeps on the dev windows of the calibration text "
+        "(`o3_conversion` in config.json), fitted only (squares) and after training "
+        "(triangles, this model's or `--trained`'s), are plotted beside the held-out "
+        "curves; the served point came from the converter's sweep.",
     ]
     print("\n".join(lines))
     title = "Converted SmolLM2-135M-Instruct: quality against FFN savings"
@@ -118,7 +130,7 @@ def main() -> None:
     )
 
 
-def plot(rows, parent, report, domains) -> Path:
+def plot(rows, parent, report, trained, domains) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,13 +145,13 @@ def plot(rows, parent, report, domains) -> Path:
             marker="o", label=f"this model ({recipe}), held-out text")  # fmt: skip
     ax.plot([100 * r["saved"] for r in rows], [worst(r["random"], parent) for r in rows],
             marker="x", linestyle="--", label="random routing, same fractions")  # fmt: skip
-    for key, marker, label in (
-        ("sweep_fitted_only", "s", "fitted only (converter sweep)"),
-        ("sweep", "o", "after training (converter sweep)"),
-    ):
-        points = report.get(key) or []
-        if key == "sweep" and report.get("training") is None:
-            continue
+    sweeps = [(report["sweep_fitted_only"], "s", "fitted only (converter sweep)")]
+    for conversion in (report, trained):
+        if conversion is not None and conversion.get("training") is not None:
+            minutes = conversion["training"]["minutes"]
+            label = f"after {minutes:g} min of training (converter sweep)"
+            sweeps.append((conversion["sweep"], "^", label))
+    for points, marker, label in sweeps:
         ax.scatter([100 * p["flops_saved"] for p in points],
                    [100 * max(p["ppl_increase"].values()) for p in points],
                    marker=marker, alpha=0.6, label=label)  # fmt: skip

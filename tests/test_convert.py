@@ -23,7 +23,13 @@ from tests.utils import (
     vllm_engine,
     vllm_generations,
 )
-from vllm_o3.tools.convert import ConvertOptions, build_from_routing, convert
+from vllm_o3.tools.convert import (
+    ConvertOptions,
+    OperatingPoint,
+    build_from_routing,
+    convert,
+    pick,
+)
 from vllm_o3.tools.corpora import pydoc_topics, stdlib_code
 from vllm_o3.tools.evaluate import evaluate_checkpoint
 from vllm_o3.tools.tokenizer import train_tokenizer
@@ -146,3 +152,23 @@ def test_eval_returns_finite_numbers(converted):
     assert result["perplexity_vllm"] == pytest.approx(
         result["perplexity_reference"], rel=1e-3
     )
+
+
+def test_operating_point_is_picked_from_fitted_and_trained_points():
+    """Training that generalises worse than fitting (seen on SmolLM2 with 32
+    calibration windows) must not cost the conversion its fitted point."""
+    parent_ppl = {"prose": 10.0, "code": 5.0}
+
+    def point(layers, saved, increase, trained):
+        ppl = {d: p * (1 + increase) for d, p in parent_ppl.items()}
+        return OperatingPoint(layers, 0.75, ppl, flops_saved=saved, trained=trained)
+
+    fitted = [point([1], 0.05, 0.04, False), point([1, 2], 0.10, 0.20, False)]
+    worse_trained = [point([1], 0.06, 0.15, True), point([1, 2], 0.12, 0.40, True)]
+    budget = ConvertOptions(max_ppl_increase=0.10)
+    assert pick(fitted + worse_trained, parent_ppl, budget) is fitted[0]
+    better_trained = [point([1], 0.06, 0.03, True), point([1, 2], 0.12, 0.09, True)]
+    assert pick(fitted + better_trained, parent_ppl, budget) is better_trained[1]
+    fixed = ConvertOptions(heavy_fraction=0.75)
+    assert pick(fitted + worse_trained, parent_ppl, fixed) is fitted[1]
+    assert pick(fitted + better_trained, parent_ppl, fixed) is better_trained[1]

@@ -9,10 +9,12 @@ from measurement on calibration text of several domains:
    heavy. Layers with massive-activation tokens stay dense; the others are
    ranked by how well their light path fits. A sweep over (layers routed,
    heavy fraction) measures perplexity on held-out calibration text per
-   domain; the largest FFN saving whose every domain stays within
-   `--max-ppl-increase` wins (or `--heavy-fraction` sets the fraction);
-3. optional end-to-end distillation at that point (`distill`), then the same
-   sweep again;
+   domain;
+3. optional end-to-end distillation (`distill`), then the same sweep again
+   with the trained tensors. Of all points measured, fitted or trained, the
+   largest FFN saving whose every domain stays within `--max-ppl-increase`
+   wins (or `--heavy-fraction` sets the fraction): training that does not
+   generalise cannot make the result worse than fitting alone;
 4. each router's bias calibrated so that the spec's threshold (0.85) gives
    the chosen fraction on text of all domains.
 
@@ -70,6 +72,7 @@ class OperatingPoint:
     ppl: dict[str, float] = field(default_factory=dict)
     heavy_measured: float = 0.0
     flops_saved: float = 0.0
+    trained: bool = False  # measured with the distilled routers and light paths
 
 
 def token_windows(
@@ -263,8 +266,7 @@ def convert(
     config.router_threshold = 0.85
     fractions = (options.heavy_fraction,) if options.heavy_fraction else HEAVY_FRACTIONS
     points = sweep(model, fits, candidates, fractions, fit_windows, dev)
-    chosen = pick(points, parent_ppl, options)
-    fitted_points, trained = points, None
+    fitted_points, fitted_fits, trained = points, fits, None
     if options.train_minutes > 0 and candidates:
         # Train where the fitted model is not yet good enough: every candidate
         # layer at the training fraction; the sweep afterwards picks the point.
@@ -290,7 +292,11 @@ def convert(
             "kl_last": sum(losses[-20:]) / len(losses[-20:]),
         }
         points = sweep(model, fits, candidates, fractions, fit_windows, dev)
-        chosen = pick(points, parent_ppl, options)
+        for point in points:
+            point.trained = True
+    chosen = pick(fitted_points + (points if trained else []), parent_ppl, options)
+    if not chosen.trained:
+        fits = fitted_fits
     # Calibrate the biases on the weights as they will be stored.
     fits = {i: rounded(f, options.dtype) for i, f in fits.items()}
     set_operating_point(model, fits, chosen, fit_windows)
@@ -303,6 +309,7 @@ def convert(
         "operating_point": {
             "routed_layers": chosen.layers,
             "heavy_fraction": chosen.heavy_fraction,
+            "trained": chosen.trained,
         },
         "heavy_fraction_measured": round(chosen.heavy_measured, 4),
         "ffn_flops_saved": round(chosen.flops_saved, 4),
@@ -347,8 +354,12 @@ def sweep_report(
 def pick(
     points: list[OperatingPoint], parent_ppl, options: ConvertOptions
 ) -> OperatingPoint:
-    if options.heavy_fraction is not None:
-        return max(points, key=lambda p: p.flops_saved)
+    if options.heavy_fraction is not None:  # every layer it can route, best quality
+        most = max(len(p.layers) for p in points)
+        widest = [p for p in points if len(p.layers) == most]
+        return min(
+            widest, key=lambda p: max(p.ppl[d] / parent_ppl[d] for d in parent_ppl)
+        )
     good = [p for p in points if within_budget(p, parent_ppl, options.max_ppl_increase)]
     if not good:
         return OperatingPoint([], 1.0, dict(parent_ppl))
