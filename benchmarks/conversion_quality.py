@@ -159,6 +159,7 @@ def plot(rows, parent, report, trained, domains) -> Path:
     ax.set_xlabel("FFN FLOPs saved (%)")
     ax.set_ylabel("perplexity increase, worst domain (%)")
     ax.set_yscale("symlog", linthresh=10)
+    ax.set_ylim(bottom=-1)  # a point can gain a little; none gains 10 %
     ax.set_xlim(left=0)
     ax.set_title("Quality vs savings")
     ax.legend(fontsize=7)
