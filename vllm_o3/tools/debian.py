@@ -26,7 +26,7 @@ def unpack_debian_packages(packages: list[str], target: Path) -> None:
         for deb in Path(scratch).glob("*.deb"):
             subprocess.run(["dpkg-deb", "-x", str(deb), str(unpacked)], check=True)
         target.mkdir(parents=True, exist_ok=True)
-        shutil.copytree(unpacked, target, dirs_exist_ok=True)
+        shutil.copytree(unpacked, target, symlinks=True, dirs_exist_ok=True)
 
 
 def debian_program(
