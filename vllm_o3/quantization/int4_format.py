@@ -107,6 +107,18 @@ def check_shape(
         )
 
 
+def largest_group_size(name: str, *in_sizes: int) -> int:
+    """The largest supported group size dividing every size in `in_sizes`:
+    128 where it fits, else the next that does (SmolLM2's hidden size 576
+    takes 64), so models whose sizes are multiples of 32 quantize at all."""
+    for group_size in sorted(GROUP_SIZES, reverse=True):
+        if not any(size % group_size for size in in_sizes):
+            return group_size
+    raise ValueError(
+        f"{name}: no group size in {GROUP_SIZES} divides the input sizes {in_sizes}"
+    )
+
+
 def quantize(weight: torch.Tensor, group_size: int, sym: bool) -> Int4Weight:
     """Round-to-nearest per group of a [out, in] weight."""
     out_features, in_features = weight.shape

@@ -9,7 +9,8 @@ Two ways in:
   "group_size": 32|64|128, "sym": true|false}` in config.json and the GPTQ-style
   tensors of `int4_format` in the checkpoint (`vllm-o3 quantize` writes them);
 - online: `--quantization o3_int4` on a 16-bit checkpoint quantizes the FFN
-  weights round-to-nearest at load (group 128, symmetric).
+  weights round-to-nearest at load, symmetric, each projection with the
+  largest group size of 128, 64, 32 that divides its input (logged).
 
 The matmul is `kernels.int4_linear.Int4Linear`, which picks per platform and
 per batch size.
@@ -20,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -35,26 +37,29 @@ from vllm.model_executor.parameter import (
 
 from vllm_o3.kernels.int4_linear import Int4Linear
 from vllm_o3.quantization.int4_format import (
+    GROUP_SIZES,
     QUANT_METHOD,
     Int4Weight,
     check_shape,
+    largest_group_size,
     parse_quantization_config,
     quantize,
 )
 
 FFN_LINEARS = (".mlp.gate_up_proj", ".mlp.down_proj")
-ONLINE_GROUP_SIZE = 128
+
+logger = init_logger(__name__)
 
 
 class O3Int4Config(QuantizationConfig):
     def __init__(
         self,
-        group_size: int = ONLINE_GROUP_SIZE,
+        group_size: int | None = None,
         sym: bool = True,
         serialized: bool = False,
     ):
         super().__init__()
-        self.group_size = group_size
+        self.group_size = group_size  # None: online, per projection
         self.sym = sym
         self.serialized = serialized  # False: quantize 16-bit weights at load
 
@@ -110,6 +115,14 @@ class O3Int4LinearMethod(LinearMethodBase):
         **extra_weight_attrs,
     ) -> None:
         group = self.config.group_size
+        if group is None:
+            group = largest_group_size(self.prefix, input_size_per_partition)
+            if group != max(GROUP_SIZES):
+                logger.info_once(
+                    "o3_int4: FFN input size %d quantized in groups of %d",
+                    input_size_per_partition, group,
+                )  # fmt: skip
+        layer.o3_int4_group_size = group
         out_features = sum(output_partition_sizes)
         check_shape(
             self.prefix, input_size_per_partition, out_features, group, self.config.sym
@@ -179,7 +192,9 @@ class O3Int4LinearMethod(LinearMethodBase):
             )
             names = ("qweight", "scales", "qzeros")
         else:
-            int4 = quantize(layer.weight.data, self.config.group_size, self.config.sym)
+            int4 = quantize(
+                layer.weight.data, layer.o3_int4_group_size, self.config.sym
+            )
             names = ("weight",)
         for name in names:
             if hasattr(layer, name):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -73,7 +74,12 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("src", type=Path, help="16-bit O3 checkpoint folder")
     parser.add_argument("out", type=Path, help="folder to write")
-    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=128)
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        choices=(32, 64, 128),
+        help="default: the largest that divides the FFN's input sizes",
+    )
     symmetry = parser.add_mutually_exclusive_group()
     symmetry.add_argument(
         "--sym", dest="sym", action="store_true", default=True,
@@ -96,7 +102,9 @@ def run_quantize(args: argparse.Namespace) -> None:
         args.src, args.out, args.group_size, args.sym, overwrite=args.force
     )
     kind = "symmetric" if args.sym else "asymmetric"
-    print(f"wrote o3_int4 checkpoint (group {args.group_size}, {kind}) to {path}")
+    quantization = json.loads((path / "config.json").read_text())["quantization_config"]
+    group_size = quantization["group_size"]
+    print(f"wrote o3_int4 checkpoint (group {group_size}, {kind}) to {path}")
 
 
 def add_convert_parser(commands: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ from vllm_o3.model.config import O3Config
 from vllm_o3.quantization.int4_format import (
     FFN_PROJECTIONS,
     QUANT_METHOD,
+    largest_group_size,
     quantize,
 )
 from vllm_o3.tools.output import atomic_output_dir
@@ -27,16 +28,21 @@ WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 def quantize_checkpoint(
     src: str | Path,
     out: str | Path,
-    group_size: int = 128,
+    group_size: int | None = None,
     sym: bool = True,
     overwrite: bool = False,
 ) -> Path:
-    """Write `out`: `src` with its FFN projections in INT4."""
+    """Write `out`: `src` with its FFN projections in INT4; `group_size`
+    None takes the largest that divides the FFN's input sizes."""
     src = Path(src)
     check_checkpoint_folder(src)
     config = O3Config.from_pretrained(src)
     if config.int4_format is not None:
         raise ValueError(f"{src} is already quantized ({config.quantization_config})")
+    if group_size is None:
+        group_size = largest_group_size(
+            str(src), config.hidden_size, config.intermediate_size
+        )
     config.quantization_config = {
         "quant_method": QUANT_METHOD, "bits": 4, "group_size": group_size, "sym": sym,
     }  # fmt: skip
