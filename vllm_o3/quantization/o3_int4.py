@@ -118,7 +118,7 @@ class O3Int4LinearMethod(LinearMethodBase):
         if group is None:
             group = largest_group_size(self.prefix, input_size_per_partition)
             if group != max(GROUP_SIZES):
-                logger.info_once(
+                logger.warning_once(
                     "o3_int4: FFN input size %d quantized in groups of %d",
                     input_size_per_partition, group,
                 )  # fmt: skip
