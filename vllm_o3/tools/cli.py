@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import shlex
 import sys
 from pathlib import Path
@@ -96,14 +95,14 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def run_quantize(args: argparse.Namespace) -> None:
+    from vllm_o3.model.config import O3Config
     from vllm_o3.tools.quantize import quantize_checkpoint
 
     path = quantize_checkpoint(
         args.src, args.out, args.group_size, args.sym, overwrite=args.force
     )
-    kind = "symmetric" if args.sym else "asymmetric"
-    quantization = json.loads((path / "config.json").read_text())["quantization_config"]
-    group_size = quantization["group_size"]
+    group_size, sym = O3Config.from_pretrained(path).int4_format
+    kind = "symmetric" if sym else "asymmetric"
     print(f"wrote o3_int4 checkpoint (group {group_size}, {kind}) to {path}")
 
 
