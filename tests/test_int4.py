@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,13 @@ from tests.utils import (
     vllm_engine,
     vllm_generations,
 )
-from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear, dense_buffer
+from vllm_o3.kernels import cpu_int4_gemm
+from vllm_o3.kernels.int4_linear import (
+    GEMM_M_MAX,
+    SMALL_M_MAX,
+    Int4Linear,
+    dense_buffer,
+)
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.int4_format import (
@@ -85,20 +92,69 @@ def test_the_default_group_size_is_the_largest_that_divides():
         largest_group_size("m", 576, 1000)
 
 
-@pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 5, SMALL_M_MAX, SMALL_M_MAX + 1, 100])
-def test_cpu_kernel_equals_dequantized_matmul(sym, group_size, rows):
-    torch.manual_seed(0)
-    weight = torch.randn(96, 256, dtype=torch.bfloat16)
-    packed = quantize(weight, group_size, sym)
-    linear = Int4Linear(packed, torch.bfloat16)
-    x = torch.randn(rows, 256, dtype=torch.bfloat16)
+def assert_matches_dequantized(linear: Int4Linear, packed: Int4Weight, rows: int):
+    x = torch.randn(rows, linear.in_features, dtype=torch.bfloat16)
     want = x.float() @ dequantize(packed, torch.float32).t()
     got = linear(x).float()
     torch.testing.assert_close(
         got, want, atol=0.05 * want.abs().max().item(), rtol=0.02
     )
+
+
+def test_the_avx512_bf16_kernel_runs_where_the_cpu_has_it():
+    # Not a silent fallback: on a CPU with AVX512-BF16 the kernel must build.
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if "avx512_bf16" in flags:
+        assert cpu_int4_gemm.unavailable_reason() is None
+    else:
+        assert "AVX512-BF16" in cpu_int4_gemm.unavailable_reason()
+
+
+needs_avx512_bf16 = pytest.mark.skipif(
+    cpu_int4_gemm.unavailable_reason() is not None,
+    reason=str(cpu_int4_gemm.unavailable_reason()),
+)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 50])
+@pytest.mark.parametrize(
+    ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
+)
+def test_avx512_bf16_kernel_equals_dequantized_matmul(
+    sym, group_size, rows, out_features, in_features
+):
+    # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
+    # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
+    # the chunks of rows the kernel keeps in cache.
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    packed = quantize(weight, group_size, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    assert linear.forward == linear._forward_avx512_bf16
+    assert_matches_dequantized(linear, packed, rows)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize("rows", [1, 5, GEMM_M_MAX, GEMM_M_MAX + 1])
+def test_cpu_kernel_equals_dequantized_matmul(sym, group_size, rows):
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
+    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, rows)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rows", [1, SMALL_M_MAX, SMALL_M_MAX + 1])
+def test_without_avx512_bf16_torch_packed_matmul_runs(monkeypatch, sym, rows):
+    monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 32, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    assert linear.forward == linear._forward_torch_packed
+    assert_matches_dequantized(linear, packed, rows)
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -108,16 +164,17 @@ def test_dequantizing_path_holds_the_reference_weight(sym, group_size):
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
     linear = Int4Linear(packed, torch.bfloat16)
-    linear(torch.randn(SMALL_M_MAX + 1, 256, dtype=torch.bfloat16))
+    linear(torch.randn(GEMM_M_MAX + 1, 256, dtype=torch.bfloat16))
     dense = dense_buffer((96, 256), torch.bfloat16).float()
     want = dequantize(packed, torch.float32)
     assert torch.equal(dense, want.to(torch.bfloat16).float())
 
 
+@needs_avx512_bf16
 def test_compiled_linear_picks_the_path_per_call():
     # vLLM compiles once, with a large batch, and drops the guards (as below)
     # so that one graph serves every batch size: a one-row call must still
-    # take the packed INT4 matmul.
+    # take the small-batch kernel.
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 128, True)
     linear = Int4Linear(packed, torch.bfloat16)
@@ -127,14 +184,14 @@ def test_compiled_linear_picks_the_path_per_call():
         fullgraph=True,
         options={"guard_filter_fn": lambda guards: [False] * len(guards)},
     )
-    compiled(torch.randn(4 * SMALL_M_MAX, 256, dtype=torch.bfloat16))
+    compiled(torch.randn(2 * GEMM_M_MAX, 256, dtype=torch.bfloat16))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
-    packed_path = torch._weight_int4pack_mm_for_cpu(
-        x, linear.packed, linear.group_size, linear.scale_zero
+    small_path = torch.ops.o3_cpu.int4_gemm(
+        x, linear.words, linear.block_scales, linear.block_offsets, 96
     )
     dense_path = x @ dequantize(packed, torch.bfloat16).t()
-    assert not torch.equal(packed_path, dense_path)  # the paths are told apart
-    assert torch.equal(compiled(x), packed_path)
+    assert not torch.equal(small_path, dense_path)  # the paths are told apart
+    assert torch.equal(compiled(x), small_path)
 
 
 @pytest.fixture(scope="module")

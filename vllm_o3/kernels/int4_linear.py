@@ -2,16 +2,19 @@
 and batch size.
 
 CPU, measured on this project's machines (docs/bench_int4_linear.md):
-- up to `SMALL_M_MAX` rows, torch's own packed-INT4 matmul
-  (`_weight_int4pack_mm_for_cpu`): at one row it reads a quarter of the bytes
-  of a 16-bit GEMV and is that much faster, but its cost grows with the rows;
+- up to `GEMM_M_MAX` rows, the AVX512-BF16 INT4 GEMM of `cpu_int4_gemm`: it
+  reads 4 bits per weight and expands them in registers once per tile of
+  rows, so it is several times faster than a 16-bit GEMM at decode sizes and
+  about as fast at a few hundred rows;
 - above, the weight is dequantized once per call into a buffer shared by all
   layers (one pass, compiled by torch) and the 16-bit GEMM runs on it.
-Both hold the same quantized values, in torch's packed layout and in a
-row-major nibble layout (together 1 byte per weight, half of 16-bit). From
-about 8 rows on neither beats a 16-bit GEMM on this CPU (the dequantization
-is a fixed cost per call, so the gap closes as rows grow): the benchmark
-says by how much.
+Where that kernel cannot run (no AVX512-BF16, no compiler, activations not
+bfloat16: logged once), torch's own packed-INT4 matmul
+(`_weight_int4pack_mm_for_cpu`) takes the small batches up to `SMALL_M_MAX`
+rows: fast at one row, but its cost grows with the rows.
+Either way the weight is held twice in 4 bits (the small-batch kernel's
+layout and a row-major one for dequantizing): 1 byte per weight, half of
+16-bit.
 
 GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
 Marlin, Machete, ...) on the checkpoint's GPTQ layout.
@@ -23,11 +26,18 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from vllm.logger import init_logger
 
+from vllm_o3.kernels import cpu_int4_gemm
 from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
-# Measured crossover of the two CPU paths, between 32 and 48 rows for both
-# FFN shapes of the 1b preset (docs/bench_int4_linear.md).
+logger = init_logger(__name__)
+
+# Rows up to which the AVX512-BF16 kernel beats dequantize + GEMM, for the FFN
+# shapes of both presets (docs/bench_int4_linear.md); at 512 they are even.
+GEMM_M_MAX = 256
+# Crossover of torch's packed INT4 matmul and dequantize + GEMM, between 32
+# and 48 rows for both FFN shapes of the 1b preset.
 SMALL_M_MAX = 40
 INNER_K_TILES = 2
 
@@ -87,8 +97,48 @@ def compiled_dequantize_into():
     return _compiled_dequantize_into
 
 
+def dequantized_linear(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    row_scales: torch.Tensor,
+    row_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """The large-batch path: dequantize into the shared buffer, 16-bit GEMM."""
+    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
+    compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
+    return torch.nn.functional.linear(x, dense)
+
+
+# The CPU paths are chosen by the rows of each call, inside operations opaque
+# to torch.compile: traced inline, the choice would be fixed at the batch size
+# vLLM compiles with and taken for every batch.
+
+
 @torch.library.custom_op("o3::int4_linear_cpu", mutates_args=())
 def int4_linear_cpu(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    block_scales: torch.Tensor,
+    block_offsets: torch.Tensor,
+    rows: torch.Tensor,
+    row_scales: torch.Tensor,
+    row_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """The AVX512-BF16 kernel up to `GEMM_M_MAX` rows, dequantize + GEMM above."""
+    if x.shape[0] <= GEMM_M_MAX:
+        return torch.ops.o3_cpu.int4_gemm(
+            x, words, block_scales, block_offsets, rows.shape[0]
+        )
+    return dequantized_linear(x, rows, row_scales, row_offsets)
+
+
+@int4_linear_cpu.register_fake
+def _(x, words, block_scales, block_offsets, rows, row_scales, row_offsets):
+    return x.new_empty(x.shape[0], rows.shape[0])
+
+
+@torch.library.custom_op("o3::int4_linear_cpu_packed", mutates_args=())
+def int4_linear_cpu_packed(
     x: torch.Tensor,
     packed: torch.Tensor,
     scale_zero: torch.Tensor,
@@ -97,17 +147,14 @@ def int4_linear_cpu(
     row_offsets: torch.Tensor,
     group_size: int,
 ) -> torch.Tensor:
-    """The CPU paths, chosen by the rows of each call. An operation opaque to
-    torch.compile: traced inline, the choice would be fixed at the batch size
-    vLLM compiles with and taken for every batch."""
+    """Where the AVX512-BF16 kernel cannot run: torch's packed INT4 matmul up
+    to `SMALL_M_MAX` rows, dequantize + GEMM above."""
     if x.shape[0] <= SMALL_M_MAX:
         return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
-    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
-    compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
-    return torch.nn.functional.linear(x, dense)
+    return dequantized_linear(x, rows, row_scales, row_offsets)
 
 
-@int4_linear_cpu.register_fake
+@int4_linear_cpu_packed.register_fake
 def _(x, packed, scale_zero, rows, row_scales, row_offsets, group_size):
     return x.new_empty(x.shape[0], rows.shape[0])
 
@@ -141,20 +188,35 @@ class Int4Linear(nn.Module):
 
     def _init_cpu(self, weight: Int4Weight) -> None:
         scales = weight.scales.to(self.dtype)
-        if weight.qzeros is None:
-            zeros = torch.full_like(scales, SYMMETRIC_ZERO)
-        else:
-            zeros = unpack_int4(weight.qzeros, dim=1).to(self.dtype)
-        q = unpack_int4(weight.qweight, dim=0).t().contiguous()  # [N, K] values
-        # torch's packed layout, with w = (q - 8) * scale + zero per group,
-        # i.e. zero = (8 - z) * scale.
-        self.register_buffer(
-            "packed",
-            torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES),
-            persistent=False,
+        zeros = None if weight.qzeros is None else unpack_int4(weight.qzeros, dim=1)
+        full_zeros = (
+            torch.full_like(scales, SYMMETRIC_ZERO)
+            if zeros is None
+            else zeros.to(self.dtype)
         )
-        scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
-        self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
+        q = unpack_int4(weight.qweight, dim=0).t().contiguous()  # [N, K] values
+        reason = (
+            cpu_int4_gemm.unavailable_reason()
+            if self.dtype == torch.bfloat16
+            else f"activations are {self.dtype}, it takes bfloat16"
+        )
+        if reason is None:
+            words, block_scales, block_offsets = cpu_int4_gemm.pack_for_gemm(
+                q, scales, zeros
+            )
+            self.register_buffer("words", words, persistent=False)
+            self.register_buffer("block_scales", block_scales, persistent=False)
+            self.register_buffer("block_offsets", block_offsets, persistent=False)
+            self.forward = self._forward_avx512_bf16
+        else:
+            logger.warning_once(
+                "o3_int4 on CPU: the AVX512-BF16 INT4 kernel is not used (%s); "
+                "torch's packed INT4 matmul runs instead, slower than 16-bit "
+                "from about 8 rows on (docs/bench_int4_linear.md)",
+                reason,
+            )
+            self._init_torch_packed(q, scales, full_zeros)
+            self.forward = self._forward_torch_packed
         # Row-major by output, two to a byte: what the dequantizing path reads.
         self.register_buffer(
             "rows", pack_group_halves(q, self.group_size), persistent=False
@@ -166,20 +228,45 @@ class Int4Linear(nn.Module):
         )
         self.register_buffer(
             "row_offsets",
-            (zeros.float() * scales.float()).t().contiguous(),
+            (full_zeros.float() * scales.float()).t().contiguous(),
             persistent=False,
         )
-        self.forward = self._forward_cpu
 
-    def _forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.reshape(-1, self.in_features)
+    def _init_torch_packed(
+        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+    ) -> None:
+        # torch's packed layout, with w = (q - 8) * scale + zero per group,
+        # i.e. zero = (8 - z) * scale.
+        self.register_buffer(
+            "packed",
+            torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES),
+            persistent=False,
+        )
+        scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
+        self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
+
+    def _rows_of(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise TypeError(
                 f"{self.name}: input is {x.dtype}, weights are {self.dtype}"
             )
+        return x.reshape(-1, self.in_features).contiguous()
+
+    def _forward_avx512_bf16(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.o3.int4_linear_cpu(
-            x.contiguous(),
+            self._rows_of(x),
+            self.words,
+            self.block_scales,
+            self.block_offsets,
+            self.rows,
+            self.row_scales,
+            self.row_offsets,
+        )
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _forward_torch_packed(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.o3.int4_linear_cpu_packed(
+            self._rows_of(x),
             self.packed,
             self.scale_zero,
             self.rows,
@@ -187,7 +274,7 @@ class Int4Linear(nn.Module):
             self.row_offsets,
             self.group_size,
         )
-        return y.reshape(*shape[:-1], self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     # -- GPUs -----------------------------------------------------------------
 
