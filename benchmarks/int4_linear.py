@@ -5,10 +5,10 @@ SmolLM2-135M; random), same inputs, side by side. As in a real decode step,
 every call reads its weights from memory, not cache: each variant cycles
 through copies totalling more than the CPU's caches. vLLM's 16-bit CPU linear
 (its oneDNN-packed path, as the engine runs it); `o3_int4` as it runs here
-(`Int4Linear`: the AVX512-BF16 INT4 GEMM up to GEMM_M_MAX rows, dequantize +
-GEMM above); `o3_int4` on a CPU without AVX512-BF16 (torch's packed INT4
-matmul up to SMALL_M_MAX rows); and vLLM's own CPU W4A16 kernel
-(`CPUWNA16LinearKernel`) for reference. Medians of repeats.
+(`Int4Linear`: the AVX512-BF16 INT4 GEMM); `o3_int4` on a CPU without
+AVX512-BF16 (torch's packed INT4 matmul up to SMALL_M_MAX rows, dequantize +
+16-bit GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
+for reference. Medians of repeats.
 
     python -m benchmarks.int4_linear [--repeats 20]
 """
@@ -29,7 +29,7 @@ SHAPES = {  # (out, in)
     "135m gate_up": (3072, 576),
     "135m down": (576, 1536),
 }
-ROWS = (1, 4, 8, 16, 64, 512, 2048)  # plus both sides of the paths' switch
+ROWS = (1, 4, 8, 16, 64, 256, 512, 2048)  # plus both sides of the fallback's switch
 COPIES_BYTES = 768 * 2**20  # of 16-bit weights per variant, beyond any cache
 
 
@@ -72,7 +72,7 @@ VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
 
 
 def main() -> None:
-    from vllm_o3.kernels.int4_linear import GEMM_M_MAX
+    from vllm_o3.kernels.int4_linear import SMALL_M_MAX
     from vllm_o3.quantization.int4_format import largest_group_size, quantize
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -90,7 +90,7 @@ def main() -> None:
                 cycle([build(weight, packed) for _ in range(copies)])
                 for build in VARIANTS
             ]
-            switch = (GEMM_M_MAX, GEMM_M_MAX + 1)
+            switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
             for m in tqdm(sorted({*ROWS, *switch}), desc=name):
                 x = torch.randn(m, in_features)
                 times = [
@@ -104,9 +104,10 @@ def main() -> None:
                 )
     body = (
         "bf16 activations; INT4 symmetric, group 128 (64 where 128 does not "
-        f"divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM up to "
-        f"{GEMM_M_MAX} rows and dequantize + GEMM above. Speed-ups are 16-bit "
-        "time / variant time.\n\n"
+        "divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM at "
+        "every row count; without AVX512-BF16 it switches from torch's packed "
+        f"INT4 matmul to dequantize + GEMM above {SMALL_M_MAX} rows. Speed-ups "
+        "are 16-bit time / variant time.\n\n"
         "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "
         "| o3_int4 without AVX512-BF16 ms | speed-up "
         "| vLLM CPUWNA16 ms | speed-up |\n"

@@ -22,12 +22,7 @@ from tests.utils import (
     vllm_generations,
 )
 from vllm_o3.kernels import cpu_int4_gemm
-from vllm_o3.kernels.int4_linear import (
-    GEMM_M_MAX,
-    SMALL_M_MAX,
-    Int4Linear,
-    dense_buffer,
-)
+from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear, dense_buffer
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.int4_format import (
@@ -119,7 +114,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 50])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 50, 300])
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )
@@ -137,21 +132,30 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
     assert_matches_dequantized(linear, packed, rows)
 
 
+@needs_avx512_bf16
+def test_avx512_bf16_kernel_compiles_as_one_opaque_operation():
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 128, True)
+    linear = Int4Linear(packed, torch.bfloat16)
+    compiled = torch.compile(linear, dynamic=True, fullgraph=True)
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 256, dtype=torch.bfloat16)
+        assert torch.equal(compiled(x), linear(x))
+
+
+@pytest.fixture
+def without_avx512_bf16(monkeypatch):
+    monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
+
+
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 5, GEMM_M_MAX, GEMM_M_MAX + 1])
-def test_cpu_kernel_equals_dequantized_matmul(sym, group_size, rows):
+@pytest.mark.parametrize("rows", [1, 5, SMALL_M_MAX, SMALL_M_MAX + 1, 100])
+def test_without_avx512_bf16_torch_kernels_equal_dequantized_matmul(
+    without_avx512_bf16, sym, group_size, rows
+):
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
-    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, rows)
-
-
-@pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("rows", [1, SMALL_M_MAX, SMALL_M_MAX + 1])
-def test_without_avx512_bf16_torch_packed_matmul_runs(monkeypatch, sym, rows):
-    monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
-    torch.manual_seed(0)
-    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 32, sym)
     linear = Int4Linear(packed, torch.bfloat16)
     assert linear.forward == linear._forward_torch_packed
     assert_matches_dequantized(linear, packed, rows)
@@ -159,22 +163,23 @@ def test_without_avx512_bf16_torch_packed_matmul_runs(monkeypatch, sym, rows):
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_dequantizing_path_holds_the_reference_weight(sym, group_size):
+def test_dequantizing_path_holds_the_reference_weight(
+    without_avx512_bf16, sym, group_size
+):
     # The weight the GEMM path multiplies by: the reference, rounded once.
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
     linear = Int4Linear(packed, torch.bfloat16)
-    linear(torch.randn(GEMM_M_MAX + 1, 256, dtype=torch.bfloat16))
+    linear(torch.randn(SMALL_M_MAX + 1, 256, dtype=torch.bfloat16))
     dense = dense_buffer((96, 256), torch.bfloat16).float()
     want = dequantize(packed, torch.float32)
     assert torch.equal(dense, want.to(torch.bfloat16).float())
 
 
-@needs_avx512_bf16
-def test_compiled_linear_picks_the_path_per_call():
+def test_compiled_linear_picks_the_path_per_call(without_avx512_bf16):
     # vLLM compiles once, with a large batch, and drops the guards (as below)
     # so that one graph serves every batch size: a one-row call must still
-    # take the small-batch kernel.
+    # take the packed INT4 matmul.
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 128, True)
     linear = Int4Linear(packed, torch.bfloat16)
@@ -184,14 +189,14 @@ def test_compiled_linear_picks_the_path_per_call():
         fullgraph=True,
         options={"guard_filter_fn": lambda guards: [False] * len(guards)},
     )
-    compiled(torch.randn(2 * GEMM_M_MAX, 256, dtype=torch.bfloat16))
+    compiled(torch.randn(4 * SMALL_M_MAX, 256, dtype=torch.bfloat16))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
-    small_path = torch.ops.o3_cpu.int4_gemm(
-        x, linear.words, linear.block_scales, linear.block_offsets, 96
+    packed_path = torch._weight_int4pack_mm_for_cpu(
+        x, linear.packed, linear.group_size, linear.scale_zero
     )
     dense_path = x @ dequantize(packed, torch.bfloat16).t()
-    assert not torch.equal(small_path, dense_path)  # the paths are told apart
-    assert torch.equal(compiled(x), small_path)
+    assert not torch.equal(packed_path, dense_path)  # the paths are told apart
+    assert torch.equal(compiled(x), packed_path)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,12 @@ def unavailable_reason() -> str | None:
         return f"building {SOURCE.name} failed: {e}"
     if not torch.ops.o3_cpu.int4_gemm_supported():
         return "this CPU has no AVX512-BF16"
+
+    @torch.library.register_fake("o3_cpu::int4_gemm")
+    def _(x, weight, scales, offsets, n_out):
+        # What torch.compile traces: the operation stays opaque in the graph.
+        return x.new_empty(x.shape[0], n_out)
+
     return None
 
 

@@ -2,19 +2,19 @@
 and batch size.
 
 CPU, measured on this project's machines (docs/bench_int4_linear.md):
-- up to `GEMM_M_MAX` rows, the AVX512-BF16 INT4 GEMM of `cpu_int4_gemm`: it
-  reads 4 bits per weight and expands them in registers once per tile of
-  rows, so it is several times faster than a 16-bit GEMM at decode sizes and
-  about as fast at a few hundred rows;
-- above, the weight is dequantized once per call into a buffer shared by all
-  layers (one pass, compiled by torch) and the 16-bit GEMM runs on it.
-Where that kernel cannot run (no AVX512-BF16, no compiler, activations not
-bfloat16: logged once), torch's own packed-INT4 matmul
-(`_weight_int4pack_mm_for_cpu`) takes the small batches up to `SMALL_M_MAX`
-rows: fast at one row, but its cost grows with the rows.
-Either way the weight is held twice in 4 bits (the small-batch kernel's
-layout and a row-major one for dequantizing): 1 byte per weight, half of
-16-bit.
+- the AVX512-BF16 INT4 GEMM of `cpu_int4_gemm`, at every batch size: it reads
+  4 bits per weight and expands them in registers once per tile of rows, so
+  it is several times faster than a 16-bit GEMM at decode sizes and about as
+  fast from a few hundred rows on (as fast as dequantizing to 16 bits and
+  running the 16-bit GEMM, the other way to go there), from the 4-bit weight
+  alone (half a byte per weight);
+- where it cannot run (no AVX512-BF16, no compiler, activations not
+  bfloat16: logged once), torch's own packed-INT4 matmul
+  (`_weight_int4pack_mm_for_cpu`) up to `SMALL_M_MAX` rows (fast at one row,
+  but its cost grows with the rows) and above, the weight dequantized once per
+  call into a buffer shared by all layers (one pass, compiled by torch) and
+  the 16-bit GEMM on it. That holds the weight twice in 4 bits, one layout
+  per path: 1 byte per weight, half of 16-bit.
 
 GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
 Marlin, Machete, ...) on the checkpoint's GPTQ layout.
@@ -33,9 +33,6 @@ from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_
 
 logger = init_logger(__name__)
 
-# Rows up to which the AVX512-BF16 kernel beats dequantize + GEMM, for the FFN
-# shapes of both presets (docs/bench_int4_linear.md); at 512 they are even.
-GEMM_M_MAX = 256
 # Crossover of torch's packed INT4 matmul and dequantize + GEMM, between 32
 # and 48 rows for both FFN shapes of the 1b preset.
 SMALL_M_MAX = 40
@@ -97,46 +94,6 @@ def compiled_dequantize_into():
     return _compiled_dequantize_into
 
 
-def dequantized_linear(
-    x: torch.Tensor,
-    rows: torch.Tensor,
-    row_scales: torch.Tensor,
-    row_offsets: torch.Tensor,
-) -> torch.Tensor:
-    """The large-batch path: dequantize into the shared buffer, 16-bit GEMM."""
-    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
-    compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
-    return torch.nn.functional.linear(x, dense)
-
-
-# The CPU paths are chosen by the rows of each call, inside operations opaque
-# to torch.compile: traced inline, the choice would be fixed at the batch size
-# vLLM compiles with and taken for every batch.
-
-
-@torch.library.custom_op("o3::int4_linear_cpu", mutates_args=())
-def int4_linear_cpu(
-    x: torch.Tensor,
-    words: torch.Tensor,
-    block_scales: torch.Tensor,
-    block_offsets: torch.Tensor,
-    rows: torch.Tensor,
-    row_scales: torch.Tensor,
-    row_offsets: torch.Tensor,
-) -> torch.Tensor:
-    """The AVX512-BF16 kernel up to `GEMM_M_MAX` rows, dequantize + GEMM above."""
-    if x.shape[0] <= GEMM_M_MAX:
-        return torch.ops.o3_cpu.int4_gemm(
-            x, words, block_scales, block_offsets, rows.shape[0]
-        )
-    return dequantized_linear(x, rows, row_scales, row_offsets)
-
-
-@int4_linear_cpu.register_fake
-def _(x, words, block_scales, block_offsets, rows, row_scales, row_offsets):
-    return x.new_empty(x.shape[0], rows.shape[0])
-
-
 @torch.library.custom_op("o3::int4_linear_cpu_packed", mutates_args=())
 def int4_linear_cpu_packed(
     x: torch.Tensor,
@@ -148,10 +105,14 @@ def int4_linear_cpu_packed(
     group_size: int,
 ) -> torch.Tensor:
     """Where the AVX512-BF16 kernel cannot run: torch's packed INT4 matmul up
-    to `SMALL_M_MAX` rows, dequantize + GEMM above."""
+    to `SMALL_M_MAX` rows, dequantize + GEMM above. Chosen by the rows of each
+    call, inside an operation opaque to torch.compile: traced inline, the
+    choice would be fixed at the batch size vLLM compiles with."""
     if x.shape[0] <= SMALL_M_MAX:
         return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
-    return dequantized_linear(x, rows, row_scales, row_offsets)
+    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
+    compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
+    return torch.nn.functional.linear(x, dense)
 
 
 @int4_linear_cpu_packed.register_fake
@@ -189,11 +150,6 @@ class Int4Linear(nn.Module):
     def _init_cpu(self, weight: Int4Weight) -> None:
         scales = weight.scales.to(self.dtype)
         zeros = None if weight.qzeros is None else unpack_int4(weight.qzeros, dim=1)
-        full_zeros = (
-            torch.full_like(scales, SYMMETRIC_ZERO)
-            if zeros is None
-            else zeros.to(self.dtype)
-        )
         q = unpack_int4(weight.qweight, dim=0).t().contiguous()  # [N, K] values
         reason = (
             cpu_int4_gemm.unavailable_reason()
@@ -208,15 +164,28 @@ class Int4Linear(nn.Module):
             self.register_buffer("block_scales", block_scales, persistent=False)
             self.register_buffer("block_offsets", block_offsets, persistent=False)
             self.forward = self._forward_avx512_bf16
-        else:
-            logger.warning_once(
-                "o3_int4 on CPU: the AVX512-BF16 INT4 kernel is not used (%s); "
-                "torch's packed INT4 matmul runs instead, slower than 16-bit "
-                "from about 8 rows on (docs/bench_int4_linear.md)",
-                reason,
-            )
-            self._init_torch_packed(q, scales, full_zeros)
-            self.forward = self._forward_torch_packed
+            return
+        logger.warning_once(
+            "o3_int4 on CPU: the AVX512-BF16 INT4 kernel is not used (%s); "
+            "torch's packed INT4 matmul and dequantize + 16-bit GEMM run "
+            "instead, slower than 16-bit from about 8 rows on "
+            "(docs/bench_int4_linear.md)",
+            reason,
+        )
+        zeros = (
+            torch.full_like(scales, SYMMETRIC_ZERO)
+            if zeros is None
+            else zeros.to(self.dtype)
+        )
+        # torch's packed layout, with w = (q - 8) * scale + zero per group,
+        # i.e. zero = (8 - z) * scale.
+        self.register_buffer(
+            "packed",
+            torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES),
+            persistent=False,
+        )
+        scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
+        self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
         # Row-major by output, two to a byte: what the dequantizing path reads.
         self.register_buffer(
             "rows", pack_group_halves(q, self.group_size), persistent=False
@@ -228,22 +197,10 @@ class Int4Linear(nn.Module):
         )
         self.register_buffer(
             "row_offsets",
-            (full_zeros.float() * scales.float()).t().contiguous(),
+            (zeros.float() * scales.float()).t().contiguous(),
             persistent=False,
         )
-
-    def _init_torch_packed(
-        self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-    ) -> None:
-        # torch's packed layout, with w = (q - 8) * scale + zero per group,
-        # i.e. zero = (8 - z) * scale.
-        self.register_buffer(
-            "packed",
-            torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), INNER_K_TILES),
-            persistent=False,
-        )
-        scale_zero = torch.stack([scales, (SYMMETRIC_ZERO - zeros) * scales], dim=-1)
-        self.register_buffer("scale_zero", scale_zero.contiguous(), persistent=False)
+        self.forward = self._forward_torch_packed
 
     def _rows_of(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
@@ -253,14 +210,12 @@ class Int4Linear(nn.Module):
         return x.reshape(-1, self.in_features).contiguous()
 
     def _forward_avx512_bf16(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.o3.int4_linear_cpu(
+        y = torch.ops.o3_cpu.int4_gemm(
             self._rows_of(x),
             self.words,
             self.block_scales,
             self.block_offsets,
-            self.rows,
-            self.row_scales,
-            self.row_offsets,
+            self.out_features,
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 

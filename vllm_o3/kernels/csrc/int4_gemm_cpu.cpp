@@ -1,9 +1,11 @@
 // y = x @ W^T for a 4-bit weight and bfloat16 activations, on x86 CPUs with
 // AVX512-BF16: the weight is expanded to bfloat16 in registers only, so each
 // call reads 4 bits per weight and every expanded weight serves a tile of
-// rows (torch's packed INT4 matmul expands it again for every row).
+// rows (torch's packed INT4 matmul expands it again for every row). Threads
+// split the output channels; each runs its tiles over chunks of rows whose
+// inputs stay in L2.
 //
-// Weight layout (`pack_for_gemm` in int4_linear.py): output channels in blocks
+// Weight layout (`pack_for_gemm` in cpu_int4_gemm.py): output channels in blocks
 // of 16, input channels in steps of 8; each (block, step) is 32 little-endian
 // 16-bit words, word w holding in nibble j the value for output channel w / 2
 // and input channel 2 j + w % 2. Nibble j of all 32 words is then one operand
@@ -23,10 +25,10 @@
 
 namespace {
 
-constexpr int64_t kBlock = 16;      // output channels per VDPBF16PS
-constexpr int64_t kBlocksPerTile = 4;  // blocks sharing one pass over x
-constexpr int64_t kStep = 8;        // input channels per 64-byte word group
-constexpr int64_t kMaxRowsPerTile = 4;
+constexpr int64_t kBlock = 16;         // output channels per VDPBF16PS
+constexpr int64_t kBlocksPerTile = 4;  // blocks sharing each broadcast of x
+constexpr int64_t kStep = 8;           // input channels per 64-byte word group
+constexpr int64_t kMaxRowsPerTile = 4;  // rows sharing each expanded weight
 // Rows whose inputs stay in L2 while a thread runs its output tiles over them.
 constexpr int64_t kChunkBytes = 384 * 1024;
 
@@ -61,18 +63,19 @@ O3_AVX512_BF16 void gemm_tile(
     for (int m = 0; m < ROWS; ++m)
       for (int b = 0; b < kBlocksPerTile; ++b) part[m][b] = _mm512_setzero_ps();
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-      for (int b = 0; b < kBlocksPerTile; ++b) {
-        const __m512i words =
-            _mm512_loadu_si512(weight + ((b0 + b) * steps + s) * 32);
-        for (int j = 0; j < 4; ++j) {
-          const __m512i q =
-              _mm512_and_si512(_mm512_srli_epi16(words, 4 * j), low);
-          const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(q, table);
-          for (int m = 0; m < ROWS; ++m) {
-            const __m512bh xs = (__m512bh)_mm512_set1_epi32(
-                static_cast<int>(x[(m0 + m) * x_pairs + s * 4 + j]));
-            part[m][b] = _mm512_dpbf16_ps(part[m][b], w, xs);
-          }
+      __m512i words[kBlocksPerTile];
+      for (int b = 0; b < kBlocksPerTile; ++b)
+        words[b] = _mm512_loadu_si512(weight + ((b0 + b) * steps + s) * 32);
+      for (int j = 0; j < 4; ++j) {
+        __m512bh w[kBlocksPerTile];
+        for (int b = 0; b < kBlocksPerTile; ++b)
+          w[b] = (__m512bh)_mm512_permutexvar_epi16(
+              _mm512_and_si512(_mm512_srli_epi16(words[b], 4 * j), low), table);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512bh xs = (__m512bh)_mm512_set1_epi32(
+              static_cast<int>(x[(m0 + m) * x_pairs + s * 4 + j]));
+          for (int b = 0; b < kBlocksPerTile; ++b)
+            part[m][b] = _mm512_dpbf16_ps(part[m][b], w[b], xs);
         }
       }
     }
