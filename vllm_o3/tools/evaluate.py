@@ -78,10 +78,11 @@ def random_routing(
             hook.remove()
 
 
-def vllm_perplexity(
+def vllm_window_nlls(
     model_path: str, windows: list[list[int]], **engine_options
-) -> float:
-    """Perplexity from vLLM's prompt log-probabilities (its own engine)."""
+) -> list[float]:
+    """Per window, the summed negative log-likelihood of its tokens after the
+    first, from vLLM's prompt log-probabilities (its own engine)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -99,12 +100,23 @@ def vllm_perplexity(
         )
     finally:
         llm.llm_engine.engine_core.shutdown()
-    nll, tokens = 0.0, 0
-    for window, output in zip(windows, outputs, strict=True):
-        for token, logprobs in zip(window[1:], output.prompt_logprobs[1:], strict=True):
-            nll -= logprobs[token].logprob
-            tokens += 1
-    return math.exp(nll / tokens)
+    return [
+        -sum(
+            logprobs[token].logprob
+            for token, logprobs in zip(
+                window[1:], output.prompt_logprobs[1:], strict=True
+            )
+        )
+        for window, output in zip(windows, outputs, strict=True)
+    ]
+
+
+def vllm_perplexity(
+    model_path: str, windows: list[list[int]], **engine_options
+) -> float:
+    """Perplexity over `windows` through vLLM."""
+    nll = sum(vllm_window_nlls(model_path, windows, **engine_options))
+    return math.exp(nll / sum(len(w) - 1 for w in windows))
 
 
 def ffn_flops_saved(config: O3Config, heavy: dict[int, float]) -> float:
