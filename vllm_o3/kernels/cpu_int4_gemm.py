@@ -11,6 +11,8 @@ anyway). Elsewhere `unavailable_reason` says why, and the caller logs it.
 from __future__ import annotations
 
 import functools
+import platform
+import re
 from pathlib import Path
 
 import torch
@@ -28,11 +30,15 @@ INPUT_STEP = 8
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when the kernel is built and this CPU runs it, else why not."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"it is x86 code and this CPU is {platform.machine()}"
     try:
         from torch.utils.cpp_extension import load
 
         load(
-            name="vllm_o3_int4_gemm_cpu",
+            # One build per torch version: a build against another one's
+            # headers would not load.
+            name="vllm_o3_int4_gemm_cpu_torch_" + re.sub(r"\W", "_", torch.__version__),
             sources=[str(SOURCE)],
             extra_cflags=["-O3", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
