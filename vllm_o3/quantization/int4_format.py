@@ -119,27 +119,49 @@ def largest_group_size(name: str, *in_sizes: int) -> int:
     )
 
 
-def quantize(weight: torch.Tensor, group_size: int, sym: bool) -> Int4Weight:
-    """Round-to-nearest per group of a [out, in] weight."""
-    out_features, in_features = weight.shape
-    check_shape("weight", in_features, out_features, group_size, sym)
-    dtype = weight.dtype
-    w = weight.float().t().reshape(in_features // group_size, group_size, out_features)
+def group_params(
+    w: torch.Tensor, sym: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest scales (in `dtype`, as stored) and zero points
+    (float, 0..15) of weight groups `w` [..., group_size, out]."""
     if sym:
-        scales = (w.abs().amax(dim=1) / 7).clamp(min=1e-10)
+        scales = (w.abs().amax(dim=-2) / 7).clamp(min=1e-10)
         zeros = torch.full_like(scales, SYMMETRIC_ZERO)
     else:
-        low, high = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+        low, high = w.amin(dim=-2).clamp(max=0), w.amax(dim=-2).clamp(min=0)
         scales = ((high - low) / 15).clamp(min=1e-10)
         zeros = (-low / scales).round().clamp(0, 15)
-    scales = scales.to(dtype)  # quantize against the scales actually stored
-    q = (w / scales.float().unsqueeze(1) + zeros.unsqueeze(1)).round().clamp(0, 15)
-    q = q.reshape(in_features, out_features)
+    return scales.to(dtype), zeros
+
+
+def round_to_grid(
+    w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """4-bit values (float, 0..15) of `w` on the grid (q - zero) * scale."""
+    return (w / scales.float() + zeros).round().clamp(0, 15)
+
+
+def pack_quantized(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, sym: bool
+) -> Int4Weight:
+    """The format's tensors from 4-bit values `q` [in, out] and per-group
+    `scales`, `zeros` [in / group_size, out]."""
     return Int4Weight(
         qweight=pack_int4(q, dim=0),
         scales=scales,
         qzeros=None if sym else pack_int4(zeros, dim=1),
     )
+
+
+def quantize(weight: torch.Tensor, group_size: int, sym: bool) -> Int4Weight:
+    """Round-to-nearest per group of a [out, in] weight."""
+    out_features, in_features = weight.shape
+    check_shape("weight", in_features, out_features, group_size, sym)
+    w = weight.float().t().reshape(in_features // group_size, group_size, out_features)
+    # Quantize against the scales actually stored.
+    scales, zeros = group_params(w, sym, weight.dtype)
+    q = round_to_grid(w, scales.unsqueeze(1), zeros.unsqueeze(1))
+    return pack_quantized(q.reshape(in_features, out_features), scales, zeros, sym)
 
 
 def dequantize(packed: Int4Weight, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,0 +1,67 @@
+"""GPTQ for `o3_int4` (`vllm-o3 quantize --method gptq`): against round-to-
+nearest, on hand-built inputs and on a checkpoint through the reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+import vllm_o3  # noqa: F401
+from vllm_o3.model import O3Config
+from vllm_o3.model.checkpoint import expected_tensor_shapes
+from vllm_o3.quantization.gptq import gptq_quantize
+from vllm_o3.quantization.int4_format import dequantize, quantize
+from vllm_o3.tools.quantize import quantize_checkpoint
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_with_uncorrelated_inputs_gptq_is_round_to_nearest(sym):
+    # An identity Hessian spreads no error: every column rounds on its own.
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128, dtype=torch.bfloat16)
+    gptq = gptq_quantize(weight, torch.eye(128), 32, sym)
+    rtn = quantize(weight, 32, sym)
+    assert torch.equal(gptq.qweight, rtn.qweight)
+    assert torch.equal(gptq.scales, rtn.scales)
+    assert sym or torch.equal(gptq.qzeros, rtn.qzeros)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_gptq_moves_outputs_on_correlated_inputs_less(sym):
+    torch.manual_seed(0)
+    weight = torch.randn(64, 128, dtype=torch.bfloat16)
+    x = torch.randn(2048, 16) @ torch.randn(16, 128) + 0.1 * torch.randn(2048, 128)
+
+    def output_error(packed):
+        delta = weight.float() - dequantize(packed, torch.float32)
+        return float((x @ delta.t()).pow(2).mean())
+
+    gptq = gptq_quantize(weight, x.t() @ x, 32, sym)
+    assert output_error(gptq) < 0.5 * output_error(quantize(weight, 32, sym))
+
+
+@torch.no_grad()
+def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
+    torch.manual_seed(0)
+    vocab = O3Config.from_pretrained(tiny_checkpoint).vocab_size
+    windows = torch.randint(vocab, (4, 128)).tolist()
+    gptq = quantize_checkpoint(
+        tiny_checkpoint, tmp_path / "gptq", 32, False, calibration=windows
+    )
+    rtn = quantize_checkpoint(tiny_checkpoint, tmp_path / "rtn", 32, False)
+    config = O3Config.from_pretrained(gptq)
+    assert config.int4_format == (32, False)
+    tensors = load_file(gptq / "model.safetensors")
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    assert shapes == expected_tensor_shapes(config)
+
+    def logits(folder):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        return model.eval()(torch.tensor(windows)).logits
+
+    want = logits(tiny_checkpoint)
+    gptq_error = (logits(gptq) - want).pow(2).mean()
+    rtn_error = (logits(rtn) - want).pow(2).mean()
+    assert gptq_error < rtn_error
