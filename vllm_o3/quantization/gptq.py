@@ -50,12 +50,11 @@ def gptq_quantize(
         end = min(start + block, in_features)
         errors = torch.empty(out_features, end - start)
         for col in range(start, end):
+            g = col // group_size
             if col % group_size == 0:
-                g = col // group_size
                 scales[g], zeros[g] = group_params(
                     w[:, col : col + group_size].t(), sym, weight.dtype
                 )
-            g = col // group_size
             column = w[:, col]
             q[:, col] = round_to_grid(column, scales[g], zeros[g])
             rounded = (q[:, col] - zeros[g]) * scales[g].float()
