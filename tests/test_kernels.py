@@ -7,11 +7,14 @@ fractions cover none, some and all of the rows, plus CUDA-graph padding rows.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
 from vllm_o3.kernels.routed_gemm import (
+    dense_weight,
     gather_gemm,
     gather_gemm_reference,
     scatter_gemm,
@@ -27,6 +30,11 @@ from vllm_o3.kernels.routing import (
     router_scores_torch,
     routes_torch,
 )
+from vllm_o3.quantization.int4_format import (
+    Int4Weight,
+    largest_group_size,
+    quantize,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SHAPES = [  # (T, H, I, light_rank, router_hidden)
@@ -35,6 +43,7 @@ SHAPES = [  # (T, H, I, light_rank, router_hidden)
     (33, 128, 192, 16, 64),
     (70, 80, 112, 10, 20),
 ]
+INT4_SHAPES = [(1, 64, 96), (7, 96, 160), (33, 128, 192), (70, 256, 128)]  # T, H, I
 
 
 def make_weights(H, I, r, R, dtype, seed=0) -> RoutedFFNWeights:
@@ -53,6 +62,23 @@ def make_weights(H, I, r, R, dtype, seed=0) -> RoutedFFNWeights:
         down=randn(H, I),
         light_down=randn(r, H),
         light_up=randn(H, r),
+    )
+
+
+def int4_weight(weight: torch.Tensor, sym: bool) -> Int4Weight:
+    """`weight` [N, K] in o3_int4's layout, with the largest group that fits."""
+    group_size = largest_group_size("test", weight.shape[1])
+    packed = quantize(weight.float().cpu(), group_size, sym)
+    return Int4Weight(
+        qweight=packed.qweight.to(DEVICE),
+        scales=packed.scales.to(weight.dtype).to(DEVICE),
+        qzeros=None if sym else packed.qzeros.to(DEVICE),
+    )
+
+
+def with_int4_ffn(w: RoutedFFNWeights, sym: bool) -> RoutedFFNWeights:
+    return dataclasses.replace(
+        w, gate_up=int4_weight(w.gate_up, sym), down=int4_weight(w.down, sym)
     )
 
 
@@ -128,15 +154,31 @@ def test_scatter_gemm_writes_only_its_rows(T, H, I, r, R):
 @pytest.mark.parametrize("heavy_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_ffn_triton_equals_torch(T, H, I, r, R, heavy_fraction, dtype):
-    w = make_weights(H, I, r, R, dtype)
+    assert_routed_ffn_equals_torch(make_weights(H, I, r, R, dtype), T, heavy_fraction)
+
+
+@pytest.mark.parametrize("T, H, I", INT4_SHAPES)
+@pytest.mark.parametrize("heavy_fraction", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("sym", [True, False])
+def test_routed_ffn_triton_with_int4_ffn_equals_torch(T, H, I, heavy_fraction, sym):
+    w = with_int4_ffn(make_weights(H, I, 8, 16, torch.bfloat16), sym)
+    assert_routed_ffn_equals_torch(w, T, heavy_fraction)
+
+
+def assert_routed_ffn_equals_torch(
+    w: RoutedFFNWeights, T: int, heavy_fraction: float
+) -> None:
+    dtype = w.light_up.dtype
+    H = w.light_up.shape[0]
+    gate_up, down = dense_weight(w.gate_up, dtype), dense_weight(w.down, dtype)
     u = torch.randn(T, H, device=DEVICE).to(dtype)
     scores = router_scores_torch(u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias)
     threshold = threshold_for(scores, heavy_fraction)
 
     def heavy_ffn(x):
-        gate, up = (x.float() @ w.gate_up.float().t()).chunk(2, dim=-1)
+        gate, up = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
         return (
-            (torch.nn.functional.silu(gate) * up).to(dtype).float() @ w.down.float().t()
+            (torch.nn.functional.silu(gate) * up).to(dtype).float() @ down.float().t()
         ).to(dtype)
 
     def light_path(x):
@@ -153,6 +195,53 @@ def test_routed_ffn_triton_equals_torch(T, H, I, r, R, heavy_fraction, dtype):
     assert int(bounds[1]) == T
     if bool(clear.all()):
         assert int(bounds[0]) == want_heavy
+
+
+@pytest.mark.parametrize("T, H, I", INT4_SHAPES)
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_gather_and_scatter_equal_torch(T, H, I, sym):
+    w = make_weights(H, I, 8, 16, torch.bfloat16)
+    gate_up, down = int4_weight(w.gate_up, sym), int4_weight(w.down, sym)
+    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    order = torch.randperm(T, device=DEVICE)
+    start = torch.tensor([T // 3], device=DEVICE)
+    end = torch.tensor([T], device=DEVICE)
+    n = T - T // 3
+    act = gather_gemm(x, order, start, end, gate_up, swiglu=True)
+    want = gather_gemm_reference(x, order, start, end, gate_up, swiglu=True)
+    torch.testing.assert_close(act[:n], want[:n], atol=2e-2, rtol=2e-2)
+    got = torch.full((T, H), 7.0, device=DEVICE).to(torch.bfloat16)
+    expected = got.clone()
+    scatter_gemm(want, order, start, end, down, got)
+    scatter_gemm_reference(want, order, start, end, down, expected)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("int4", [False, True])
+def test_routed_ffn_triton_replays_in_a_cuda_graph(int4):
+    """Captured once, replayed on new tokens, routes and padding: every replay
+    computes that batch's own split, and padding rows count as neither."""
+    T, H, I, r, R = 48, 128, 192, 16, 64
+    w = make_weights(H, I, r, R, torch.bfloat16)
+    if int4:
+        w = with_int4_ffn(w, sym=False)
+    threshold = 0.5
+    u = torch.zeros(T, H, device=DEVICE, dtype=torch.bfloat16)
+    is_padding = torch.zeros(T, dtype=torch.bool, device=DEVICE)
+    routed_ffn_triton(u, w, threshold, is_padding)  # compile before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, scores, bounds = routed_ffn_triton(u, w, threshold, is_padding)
+    for real in (48, 40, 17, 1):
+        u.copy_(torch.randn(T, H, device=DEVICE) * 2)
+        is_padding.copy_(torch.arange(T, device=DEVICE) >= real)
+        graph.replay()
+        want, _, want_bounds = routed_ffn_triton(u[:real].clone(), w, threshold)
+        assert bounds.tolist() == [int(want_bounds[0]), real]
+        torch.testing.assert_close(y[:real], want, atol=1e-2, rtol=1e-2)
+        assert torch.count_nonzero(y[real:]) == 0
 
 
 def test_routed_ffn_triton_skips_and_zeroes_padding_rows():

@@ -16,6 +16,7 @@ import torch
 from vllm_o3.kernels.routed_gemm import gather_gemm, scatter_gemm
 from vllm_o3.kernels.router import router_scores
 from vllm_o3.kernels.routing import partition_rows
+from vllm_o3.quantization.int4_format import Int4Weight
 
 
 @dataclass
@@ -27,8 +28,10 @@ class RoutedFFNWeights:
     fc1_bias: torch.Tensor
     fc2_weight: torch.Tensor
     fc2_bias: torch.Tensor
-    gate_up: torch.Tensor  # [2 * I_local, H]: gate rows, then up rows
-    down: torch.Tensor  # [H, I_local]
+    # 16-bit [2 * I_local, H] (gate rows, then up rows) and [H, I_local], or
+    # both INT4 (o3_int4's layout: the heavy rows read 4 bits per weight).
+    gate_up: torch.Tensor | Int4Weight
+    down: torch.Tensor | Int4Weight
     light_down: torch.Tensor  # [light_rank, H]
     light_up: torch.Tensor  # [H, light_rank]
 

@@ -9,28 +9,68 @@ That keeps the whole routed FFN free of host syncs, so CUDA graphs capture it.
   (act: none, or SwiGLU over a merged [gate; up] weight).
 - `scatter_gemm`: y[order[m]] = a[m - start] @ W^T for m in [start, end).
 
-Each has its plain PyTorch reference beside it.
+W is 16-bit [N, K], or an `Int4Weight` (o3_int4's layout, dequantized tile by
+tile in registers): the heavy rows of an INT4 model read the 4-bit weight.
+Each GEMM has its plain PyTorch reference beside it.
 """
 
 from __future__ import annotations
 
-import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from vllm_o3.kernels.triton_tiles import UPCAST_DOT, dot_precision, weight_tile
+from vllm_o3.quantization.int4_format import Int4Weight, dequantize
+
 BLOCK_N = 64
 BLOCK_K = 64
-# Triton's interpreter (3.9) computes 16-bit tl.dot wrongly; under it the
-# operands are upcast first, which gives the products a GPU's 16-bit dot gives
-# (exact in float32) with float32 accumulation as on the GPU.
-UPCAST_DOT = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _block_m(rows: int) -> int:
     return 16 if rows <= 16 else 64
+
+
+class WeightArgs(NamedTuple):
+    """A weight as the kernels take it (`weight_tile`'s arguments)."""
+
+    w: torch.Tensor
+    scales: torch.Tensor
+    qzeros: torch.Tensor
+    stride_w: int
+    stride_s: int
+    stride_z: int
+    int4: bool
+    group_size: int
+    sym: bool
+    block_k: int
+    out_features: int
+    in_features: int
+
+
+def weight_args(weight: torch.Tensor | Int4Weight) -> WeightArgs:
+    if isinstance(weight, Int4Weight):
+        q, s, z = weight.qweight, weight.scales, weight.qzeros
+        group_size = weight.group_size
+        return WeightArgs(
+            q, s, q if z is None else z, q.stride(0), s.stride(0),
+            0 if z is None else z.stride(0), True, group_size, z is None,
+            min(BLOCK_K, group_size), q.shape[1], q.shape[0] * 8,
+        )  # fmt: skip
+    return WeightArgs(
+        weight, weight, weight, weight.stride(0), 0, 0, False, 1, True, BLOCK_K,
+        weight.shape[0], weight.shape[1],
+    )  # fmt: skip
+
+
+def dense_weight(weight: torch.Tensor | Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The [N, K] weight in `dtype`: what the references multiply by."""
+    if isinstance(weight, Int4Weight):
+        return dequantize(weight, dtype)
+    return weight
 
 
 @triton.jit
@@ -40,14 +80,22 @@ def _gather_gemm_kernel(
     start_ptr,
     end_ptr,
     w_ptr,
+    scales_ptr,
+    qzeros_ptr,
     out_ptr,
     N,
     K,
     stride_x,
     stride_w,
+    stride_s,
+    stride_z,
     stride_out,
     SWIGLU: tl.constexpr,
+    INT4: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SYM: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -62,27 +110,33 @@ def _gather_gemm_kernel(
     rows = tl.load(order_ptr + m, mask=m_ok, other=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
         a = tl.load(
             x_ptr + rows[:, None] * stride_x + k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
+            mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
         )
+        w = weight_tile(
+            w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok, K, stride_w, stride_s,
+            stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
+        ).to(dtype)  # fmt: skip
         if UPCAST:
             a = a.to(tl.float32)
-        w_mask = n_ok[None, :] & k_ok[:, None]
-        w = tl.load(w_ptr + n[None, :] * stride_w + k[:, None], mask=w_mask, other=0.0)
-        acc += tl.dot(a, w.to(tl.float32) if UPCAST else w)
+            w = w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=PRECISION)
         if SWIGLU:
-            w_up = tl.load(
-                w_ptr + (N + n)[None, :] * stride_w + k[:, None], mask=w_mask, other=0.0
+            w_up = weight_tile(
+                w_ptr, scales_ptr, qzeros_ptr, k0, N + n, n_ok, K, stride_w,
+                stride_s, stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
+            ).to(dtype)  # fmt: skip
+            acc_up += tl.dot(
+                a, w_up.to(tl.float32) if UPCAST else w_up, input_precision=PRECISION
             )
-            acc_up += tl.dot(a, w_up.to(tl.float32) if UPCAST else w_up)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     out = out_ptr + (m - start)[:, None] * stride_out + n[None, :]
@@ -94,24 +148,26 @@ def gather_gemm(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     swiglu: bool = False,
 ) -> torch.Tensor:
     """Rows `order[start:end]` of `x` times `weight`^T, compacted into the first
     rows of a [T, N] result (rows past `end - start` are left uninitialised).
-    With `swiglu`, `weight` is [2N, K] (gate rows, then up rows)."""
+    With `swiglu`, `weight` has 2N outputs (gate rows, then up rows)."""
+    w = weight_args(weight)
     T, K = x.shape
-    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
+    N = w.out_features // 2 if swiglu else w.out_features
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     block_m = _block_m(T)
     grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N))
     _gather_gemm_kernel[grid](
-        x, order, start, end, weight, out, N, K,
-        x.stride(0), weight.stride(0), out.stride(0),
-        SWIGLU=swiglu, UPCAST=UPCAST_DOT,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        x, order, start, end, w.w, w.scales, w.qzeros, out, N, K,
+        x.stride(0), w.stride_w, w.stride_s, w.stride_z, out.stride(0),
+        SWIGLU=swiglu, INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym,
+        UPCAST=UPCAST_DOT, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=w.block_k,
     )  # fmt: skip
     return out
 
@@ -121,11 +177,11 @@ def gather_gemm_reference(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     swiglu: bool = False,
 ) -> torch.Tensor:
     rows = order[int(start) : int(end)]
-    y = x[rows].float() @ weight.float().t()
+    y = x[rows].float() @ dense_weight(weight, x.dtype).float().t()
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -141,13 +197,21 @@ def _scatter_gemm_kernel(
     start_ptr,
     end_ptr,
     w_ptr,
+    scales_ptr,
+    qzeros_ptr,
     y_ptr,
     N,
     K,
     stride_a,
     stride_w,
+    stride_s,
+    stride_z,
     stride_y,
+    INT4: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    SYM: tl.constexpr,
     UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -164,20 +228,18 @@ def _scatter_gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
         a = tl.load(
             a_ptr + (m - start)[:, None] * stride_a + k[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
+            mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
         )
-        w = tl.load(
-            w_ptr + n[None, :] * stride_w + k[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        )
+        w = weight_tile(
+            w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok, K, stride_w, stride_s,
+            stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
+        ).to(a_ptr.dtype.element_ty)  # fmt: skip
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=PRECISION)
     rows = tl.load(order_ptr + m, mask=m_ok, other=0)
     out = y_ptr + rows[:, None] * stride_y + n[None, :]
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -188,21 +250,24 @@ def scatter_gemm(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     y: torch.Tensor,
 ) -> None:
     """y[order[m]] = a[m - start] @ weight^T for m in [start, end), in place;
     other rows of `y` are untouched."""
+    w = weight_args(weight)
     T, K = a.shape
-    N = weight.shape[0]
+    N = w.out_features
     if T == 0:
         return
     block_m = _block_m(T)
     grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N))
     _scatter_gemm_kernel[grid](
-        a, order, start, end, weight, y, N, K,
-        a.stride(0), weight.stride(0), y.stride(0), UPCAST=UPCAST_DOT,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        a, order, start, end, w.w, w.scales, w.qzeros, y, N, K,
+        a.stride(0), w.stride_w, w.stride_s, w.stride_z, y.stride(0),
+        INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym, UPCAST=UPCAST_DOT,
+        PRECISION=dot_precision(a.dtype),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=w.block_k,
     )  # fmt: skip
 
 
@@ -211,8 +276,9 @@ def scatter_gemm_reference(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Int4Weight,
     y: torch.Tensor,
 ) -> None:
     rows = order[int(start) : int(end)]
-    y[rows] = (a[: rows.numel()].float() @ weight.float().t()).to(y.dtype)
+    w = dense_weight(weight, a.dtype).float()
+    y[rows] = (a[: rows.numel()].float() @ w.t()).to(y.dtype)
