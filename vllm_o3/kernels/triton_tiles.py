@@ -78,14 +78,18 @@ def weight_tile(
 ):
     """[BLOCK_K, BLOCK_N] of W^T in `w_ptr`'s element type (16-bit), or in
     float32 when INT4; a 16-bit W is [N, K] row-major, masked past K."""
+    # One return: Triton checks every return's type, even in a branch that a
+    # constexpr condition removes.
     if INT4:
-        return dequantized_tile(
+        w = dequantized_tile(
             w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok,
             stride_w, stride_s, stride_z, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
         )  # fmt: skip
-    k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(
-        w_ptr + n[None, :] * stride_w + k[:, None],
-        mask=n_ok[None, :] & (k < K)[:, None],
-        other=0.0,
-    )
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + n[None, :] * stride_w + k[:, None],
+            mask=n_ok[None, :] & (k < K)[:, None],
+            other=0.0,
+        )
+    return w
