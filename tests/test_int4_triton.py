@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_o3.kernels.int4_gemm_triton import TileConfig, int4_gemm, num_splits
+from vllm_o3.kernels.int4_gemm_triton import TileConfig, int4_gemm
+from vllm_o3.kernels.triton_tiles import num_splits
 from vllm_o3.quantization.int4_format import Int4Weight, dequantize, quantize
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -150,6 +150,21 @@ def test_scatter_gemm_writes_only_its_rows(T, H, I, r, R):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_scatter_gemm_split_k_parts_sum_to_the_product(splits):
+    T, H, I = 9, 96, 320  # 5 blocks of K: the last part is shorter
+    w = make_weights(H, I, 8, 16, torch.float32)
+    a = torch.randn(T, I, device=DEVICE)
+    order = torch.randperm(T, device=DEVICE)
+    start, end = torch.tensor([2], device=DEVICE), torch.tensor([8], device=DEVICE)
+    parts = torch.zeros(splits, T, H, device=DEVICE)
+    scatter_gemm(a, order, start, end, w.down, parts)
+    want = torch.zeros(T, H, device=DEVICE)
+    scatter_gemm_reference(a, order, start, end, w.down, want)
+    torch.testing.assert_close(parts.sum(0), want, atol=1e-4, rtol=1e-4)
+    assert all(torch.count_nonzero(part) > 0 for part in parts)
+
+
 @pytest.mark.parametrize("T, H, I, r, R", SHAPES)
 @pytest.mark.parametrize("heavy_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

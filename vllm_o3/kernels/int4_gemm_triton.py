@@ -20,7 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_o3.kernels.triton_tiles import UPCAST_DOT, dequantized_tile, dot_precision
+from vllm_o3.kernels.triton_tiles import (
+    UPCAST_DOT,
+    dequantized_tile,
+    dot_precision,
+    multiprocessors,
+    num_splits,
+)
 
 
 @triton.jit
@@ -92,19 +98,6 @@ def tile_config(rows: int) -> TileConfig:
     return TileConfig(128, 128, 64, 8, 3)
 
 
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # Triton's interpreter on the CPU: still exercise split-K
-
-
-def num_splits(tiles: int, k_blocks: int, multiprocessors: int) -> int:
-    """Splits of K that give about two programs per multiprocessor, each with
-    at least four blocks of K."""
-    want = -(-2 * multiprocessors // tiles)
-    return max(1, min(want, k_blocks // 4))
-
-
 def int4_gemm(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -127,7 +120,7 @@ def int4_gemm(
     grid_m, grid_n = triton.cdiv(M, cfg.block_m), triton.cdiv(N, cfg.block_n)
     k_blocks = K // block_k
     if splits is None:
-        splits = num_splits(grid_m * grid_n, k_blocks, _multiprocessors(x.device))
+        splits = num_splits(grid_m * grid_n, k_blocks, multiprocessors(x.device))
     k_per_split = triton.cdiv(k_blocks, splits) * block_k
     splits = triton.cdiv(K, k_per_split)
     if splits == 1:

@@ -12,10 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from vllm_o3.kernels.routed_gemm import gather_gemm, scatter_gemm
+from vllm_o3.kernels.routed_gemm import gather_gemm, scatter_gemm, scatter_splits
 from vllm_o3.kernels.router import router_scores
-from vllm_o3.kernels.routing import partition_rows
+from vllm_o3.kernels.routing import HEAVY, PADDING, partition_rows
 from vllm_o3.quantization.int4_format import Int4Weight
 
 
@@ -46,21 +47,32 @@ def routed_ffn_triton(
     """Returns (y [T, H], float32 scores [T], bounds): `bounds` holds on the
     device the number of heavy rows and of real rows.
 
-    `all_reduce` sums the heavy rows' partial outputs across tensor-parallel
-    ranks; the light rows, computed whole on every rank, are added after it.
+    The full FFN runs on the heavy rows only, through the gather/scatter
+    GEMMs (K of the down projection split across programs when there are
+    few rows). The light path, rank r against the FFN's 3 x I, runs on every
+    row through the 16-bit GEMM (2-3 % of a heavy row's work at the shapes
+    of docs/bench_gpu_kernels.md: two library GEMMs cost less than two more
+    latency-bound gather/scatter launches); the route picks per row. `all_reduce`
+    sums the heavy rows' partial outputs across tensor-parallel ranks; the
+    light path is computed whole on every rank.
     """
     w = weights
+    T, H = u.shape
     scores, route = router_scores(
         u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias, threshold, is_padding
     )
     order, bounds = partition_rows(route)
     zero = torch.zeros(1, dtype=bounds.dtype, device=u.device)
-    num_heavy, num_real = bounds[0:1], bounds[1:2]
-    y = torch.zeros_like(u)
+    num_heavy = bounds[0:1]
     act = gather_gemm(u, order, zero, num_heavy, w.gate_up, swiglu=True)
-    scatter_gemm(act, order, zero, num_heavy, w.down, y)
+    splits = scatter_splits(T, w.down, u.device)
+    parts = torch.zeros(splits, T, H, dtype=torch.float32, device=u.device)
+    scatter_gemm(act, order, zero, num_heavy, w.down, parts)
+    heavy = (parts[0] if splits == 1 else parts.sum(0)).to(u.dtype)
     if all_reduce is not None:
-        y = all_reduce(y)
-    mid = gather_gemm(u, order, num_heavy, num_real, w.light_down)
-    scatter_gemm(mid, order, num_heavy, num_real, w.light_up, y)
+        heavy = all_reduce(heavy)
+    light = F.linear(F.linear(u, w.light_down), w.light_up)
+    y = torch.where((route == HEAVY).unsqueeze(-1), heavy, light)
+    if is_padding is not None:
+        y = y.masked_fill((route == PADDING).unsqueeze(-1), 0)
     return y, scores, bounds

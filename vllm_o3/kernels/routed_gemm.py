@@ -23,15 +23,33 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from vllm_o3.kernels.triton_tiles import UPCAST_DOT, dot_precision, weight_tile
+from vllm_o3.kernels.triton_tiles import (
+    UPCAST_DOT,
+    dot_precision,
+    multiprocessors,
+    num_splits,
+    weight_tile,
+)
 from vllm_o3.quantization.int4_format import Int4Weight, dequantize
 
-BLOCK_N = 64
 BLOCK_K = 64
 
 
-def _block_m(rows: int) -> int:
-    return 16 if rows <= 16 else 64
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def tiles_for(rows: int, swiglu: bool = False) -> Tiles:
+    """Narrow row tiles at decode sizes; at prefill sizes the large tiles the
+    tensor cores need (SwiGLU keeps two accumulators: half as wide)."""
+    if rows <= 16:
+        return Tiles(16, 64, 4, 3)
+    if rows <= 128:
+        return Tiles(64, 64, 4, 3)
+    return Tiles(128, 64 if swiglu else 128, 8, 3)
 
 
 class WeightArgs(NamedTuple):
@@ -160,14 +178,15 @@ def gather_gemm(
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
-    block_m = _block_m(T)
-    grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N))
+    t = tiles_for(T, swiglu)
+    grid = (triton.cdiv(T, t.block_m), triton.cdiv(N, t.block_n))
     _gather_gemm_kernel[grid](
         x, order, start, end, w.w, w.scales, w.qzeros, out, N, K,
         x.stride(0), w.stride_w, w.stride_s, w.stride_z, out.stride(0),
         SWIGLU=swiglu, INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym,
         UPCAST=UPCAST_DOT, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=w.block_k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=w.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
 
@@ -202,10 +221,12 @@ def _scatter_gemm_kernel(
     y_ptr,
     N,
     K,
+    k_per_split,
     stride_a,
     stride_w,
     stride_s,
     stride_z,
+    stride_split,
     stride_y,
     INT4: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -225,8 +246,10 @@ def _scatter_gemm_kernel(
     m_ok = m < end
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(
             a_ptr + (m - start)[:, None] * stride_a + k[None, :],
@@ -241,8 +264,21 @@ def _scatter_gemm_kernel(
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION)
     rows = tl.load(order_ptr + m, mask=m_ok, other=0)
-    out = y_ptr + rows[:, None] * stride_y + n[None, :]
+    out = (
+        y_ptr + tl.program_id(2) * stride_split + rows[:, None] * stride_y + n[None, :]
+    )
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def scatter_splits(rows: int, weight: torch.Tensor | Int4Weight, device) -> int:
+    """How many parts K is split into for `rows` rows: few rows make few
+    programs, each running the whole of a long K (the FFN's down projection)
+    one block after another."""
+    w = weight_args(weight)
+    t = tiles_for(rows)
+    tiles = triton.cdiv(rows, t.block_m) * triton.cdiv(w.out_features, t.block_n)
+    k_blocks = triton.cdiv(w.in_features, w.block_k)
+    return num_splits(tiles, k_blocks, multiprocessors(device))
 
 
 def scatter_gemm(
@@ -254,20 +290,25 @@ def scatter_gemm(
     y: torch.Tensor,
 ) -> None:
     """y[order[m]] = a[m - start] @ weight^T for m in [start, end), in place;
-    other rows of `y` are untouched."""
+    other rows of `y` are untouched. `y` is [T, N], or [S, T, N]: then K is
+    split in S parts and y[s] gets part s's partial product (their sum is
+    the product)."""
     w = weight_args(weight)
     T, K = a.shape
     N = w.out_features
     if T == 0:
         return
-    block_m = _block_m(T)
-    grid = (triton.cdiv(T, block_m), triton.cdiv(N, BLOCK_N))
+    parts = y if y.dim() == 3 else y.unsqueeze(0)
+    k_per_split = triton.cdiv(triton.cdiv(K, w.block_k), parts.shape[0]) * w.block_k
+    t = tiles_for(T)
+    grid = (triton.cdiv(T, t.block_m), triton.cdiv(N, t.block_n), parts.shape[0])
     _scatter_gemm_kernel[grid](
-        a, order, start, end, w.w, w.scales, w.qzeros, y, N, K,
-        a.stride(0), w.stride_w, w.stride_s, w.stride_z, y.stride(0),
-        INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym, UPCAST=UPCAST_DOT,
-        PRECISION=dot_precision(a.dtype),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=w.block_k,
+        a, order, start, end, w.w, w.scales, w.qzeros, parts, N, K, k_per_split,
+        a.stride(0), w.stride_w, w.stride_s, w.stride_z, parts.stride(0),
+        parts.stride(1), INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym,
+        UPCAST=UPCAST_DOT, PRECISION=dot_precision(a.dtype),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=w.block_k,
+        num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
 
 

@@ -21,6 +21,19 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
+def multiprocessors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # Triton's interpreter on the CPU: still exercise split-K
+
+
+def num_splits(tiles: int, k_blocks: int, multiprocessors: int) -> int:
+    """Splits of K that give about two programs per multiprocessor, each with
+    at least four blocks of K."""
+    want = -(-2 * multiprocessors // tiles)
+    return max(1, min(want, k_blocks // 4))
+
+
 @triton.jit
 def dequantized_tile(
     qweight_ptr,
