@@ -282,8 +282,9 @@ def main() -> None:
         sections.append(
             "## Routed FFN layer vs dense FFN\n\n"
             f"bf16; shapes {shapes}. Dense = cuBLAS gate_up, SiLU * up, cuBLAS down (torch). "
-            "Routed = `routed_ffn_triton` (router kernel, device-side partition, "
-            "gather GEMM + SwiGLU on heavy rows, scatter GEMM, light path on the rest); "
+            "Routed = `routed_ffn_triton` (router in float32, device-side partition, "
+            "Triton gather GEMM + SwiGLU and scatter GEMM on the heavy rows, light path "
+            "by cuBLAS on every row, route picks per row); "
             f"INT4 = the same with the FFN in o3_int4 (group {GROUP_SIZE}, sym) read by the "
             "same kernels. T = 1: a token is heavy or light; a fraction is the mix of the "
             "two timings.\n\n"

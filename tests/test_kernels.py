@@ -20,7 +20,6 @@ from vllm_o3.kernels.routed_gemm import (
     scatter_gemm,
     scatter_gemm_reference,
 )
-from vllm_o3.kernels.router import router_scores
 from vllm_o3.kernels.routing import (
     HEAVY,
     LIGHT,
@@ -28,7 +27,6 @@ from vllm_o3.kernels.routing import (
     partition_rows,
     routed_ffn_torch,
     router_scores_torch,
-    routes_torch,
 )
 from vllm_o3.quantization.int4_format import (
     Int4Weight,
@@ -89,25 +87,6 @@ def threshold_for(scores: torch.Tensor, heavy_fraction: float) -> float:
     if heavy_fraction == 1.0:
         return 0.0
     return float(scores.float().quantile(1 - heavy_fraction))
-
-
-@pytest.mark.parametrize("T, H, I, r, R", SHAPES)
-@pytest.mark.parametrize("padding", [0, 3])
-def test_router_kernel_equals_torch(T, H, I, r, R, padding):
-    w = make_weights(H, I, r, R, torch.bfloat16)
-    u = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
-    is_padding = torch.arange(T, device=DEVICE) >= T - padding if padding else None
-    expected = router_scores_torch(
-        u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias
-    )
-    threshold = float(expected.median())
-    scores, route = router_scores(
-        u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias, threshold, is_padding
-    )
-    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
-    clear = (expected - threshold).abs() > 1e-5
-    want = routes_torch(expected, threshold, is_padding)
-    assert torch.equal(route[clear], want[clear])
 
 
 def test_partition_groups_heavy_then_light_then_padding():

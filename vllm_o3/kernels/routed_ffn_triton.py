@@ -15,8 +15,13 @@ import torch
 import torch.nn.functional as F
 
 from vllm_o3.kernels.routed_gemm import gather_gemm, scatter_gemm, scatter_splits
-from vllm_o3.kernels.router import router_scores
-from vllm_o3.kernels.routing import HEAVY, PADDING, partition_rows
+from vllm_o3.kernels.routing import (
+    HEAVY,
+    PADDING,
+    partition_rows,
+    router_scores_torch,
+    routes_torch,
+)
 from vllm_o3.quantization.int4_format import Int4Weight
 
 
@@ -58,9 +63,11 @@ def routed_ffn_triton(
     """
     w = weights
     T, H = u.shape
-    scores, route = router_scores(
-        u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias, threshold, is_padding
-    )
+    # The router in float32 through the library GEMMs: a Triton router kernel
+    # (one program per 16-32 rows, H walked serially) cost 90-350 us on an
+    # H200 at the shapes of docs/bench_gpu_kernels.md, more than the dense FFN.
+    scores = router_scores_torch(u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias)
+    route = routes_torch(scores, threshold, is_padding)
     order, bounds = partition_rows(route)
     zero = torch.zeros(1, dtype=bounds.dtype, device=u.device)
     num_heavy = bounds[0:1]
