@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from benchmarks.common import write_report
+from vllm_o3.kernels import routed_gemm
 from vllm_o3.kernels.int4_gemm_triton import TileConfig, int4_gemm, tile_config
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
+from vllm_o3.kernels.routed_gemm import Tiles
 from vllm_o3.kernels.routing import router_scores_torch
 from vllm_o3.quantization.int4_format import Int4Weight, dequantize, quantize
 
@@ -189,22 +191,24 @@ def threshold_for(scores: torch.Tensor, num_heavy: int) -> float:
     return (ranked[num_heavy - 1] + ranked[num_heavy]) / 2
 
 
-def bench_ffn(name: str, args) -> list[str]:
-    base = ffn_weights(*FFN_SHAPES[name])
-    int4 = RoutedFFNWeights(
-        **{**vars(base), "gate_up": to_int4(base.gate_up), "down": to_int4(base.down)}
+def weight_copies(w: RoutedFFNWeights, calls: int) -> list[RoutedFFNWeights]:
+    nbytes = tensor_bytes(w.gate_up) + tensor_bytes(w.down)
+    return [
+        RoutedFFNWeights(**{f: v.clone() for f, v in vars(w).items()})
+        for _ in range(copies_for(nbytes, calls))
+    ]
+
+
+def routed_time(u: torch.Tensor, weights, threshold: float, args) -> float:
+    return graph_time(
+        cycled(lambda w: routed_ffn_triton(u, w, threshold), weights, args.calls),
+        args.repeats,
     )
 
-    def copies(w: RoutedFFNWeights) -> list[RoutedFFNWeights]:
-        nbytes = tensor_bytes(w.gate_up) + tensor_bytes(w.down)
-        return [
-            RoutedFFNWeights(**{
-                f: clone(v) for f, v in vars(w).items()
-            })
-            for _ in range(copies_for(nbytes, args.calls))
-        ]  # fmt: skip
 
-    dense_set, int4_set = copies(base), copies(int4)
+def bench_ffn(name: str, args) -> list[str]:
+    base = ffn_weights(*FFN_SHAPES[name])
+    weights = weight_copies(base, args.calls)
     hidden = FFN_SHAPES[name][0]
     rows = []
     for T in TOKENS:
@@ -213,9 +217,8 @@ def bench_ffn(name: str, args) -> list[str]:
         scores = router_scores_torch(
             u, base.fc1_weight, base.fc1_bias, base.fc2_weight, base.fc2_bias
         )
-
         dense = graph_time(
-            cycled(functools.partial(dense_ffn, u), dense_set, args.calls), args.repeats
+            cycled(functools.partial(dense_ffn, u), weights, args.calls), args.repeats
         )
         counts = [0, 1] if T == 1 else [round(f * T) for f in FRACTIONS]
         measured = {}
@@ -225,39 +228,76 @@ def bench_ffn(name: str, args) -> list[str]:
             assert int(bounds[0]) == count, (int(bounds[0]), count)
             if count == T:
                 error = relative_error(y, dense_ffn(u, base))
-            measured[count] = tuple(
-                graph_time(
-                    cycled(
-                        lambda w, u=u, t=threshold: routed_ffn_triton(u, w, t),
-                        ws,
-                        args.calls,
-                    ),
-                    args.repeats,
-                )
-                for ws in (dense_set, int4_set)
-            )
+            measured[count] = routed_time(u, weights, threshold, args)
         for fraction in FRACTIONS:
             if T == 1:
-                routed, routed_int4 = (
-                    fraction * measured[1][i] + (1 - fraction) * measured[0][i]
-                    for i in (0, 1)
-                )
+                routed = fraction * measured[1] + (1 - fraction) * measured[0]
             else:
-                routed, routed_int4 = measured[round(fraction * T)]
+                routed = measured[round(fraction * T)]
             rows.append(
-                f"| {name} | {T} | {fraction:.0%} | {dense * 1e6:.1f} | {routed * 1e6:.1f} | "
-                f"{routed / dense:.2f} | {routed_int4 * 1e6:.1f} | {routed_int4 / dense:.2f} |"
+                f"| {name} | {T} | {fraction:.0%} | {dense * 1e6:.1f} | "
+                f"{routed * 1e6:.1f} | {routed / dense:.2f} |"
             )
             print(rows[-1], flush=True)
         if T > 1:
             rows.append(
-                f"| {name} | {T} | all heavy: rel. error vs dense | | {error:.1e} | | | |"
+                f"| {name} | {T} | all heavy: rel. error vs dense | | {error:.1e} | |"
             )
         else:
             rows.append(
-                f"| {name} | 1 | light / heavy token | | {measured[0][0] / measured[1][0]:.2f} | | "
-                f"{measured[0][1] / measured[1][1]:.2f} | |"
+                f"| {name} | 1 | light / heavy token | | | {measured[0] / measured[1]:.2f} |"
             )
+    return rows
+
+
+# Tiles tried for the heavy GEMMs at prefill sizes: (gather with SwiGLU, scatter).
+TILE_CANDIDATES = [
+    (Tiles(128, 64, 8, 3), Tiles(128, 128, 8, 3)),  # tiles_for's choice
+    (Tiles(64, 64, 4, 3), Tiles(64, 64, 4, 3)),
+    (Tiles(64, 128, 4, 3), Tiles(64, 128, 4, 3)),
+    (Tiles(128, 128, 8, 3), Tiles(128, 256, 8, 3)),
+    (Tiles(128, 64, 4, 4), Tiles(128, 128, 4, 4)),
+    (Tiles(64, 64, 4, 4), Tiles(128, 64, 4, 4)),
+]
+
+
+def bench_tiles(args) -> list[str]:
+    """The routed FFN at T = 512, 50 % heavy, per tile candidate."""
+    rows = []
+    for name in FFN_SHAPES:
+        base = ffn_weights(*FFN_SHAPES[name])
+        weights = weight_copies(base, args.calls)
+        u = torch.randn(512, FFN_SHAPES[name][0], device="cuda", dtype=torch.bfloat16)
+        scores = router_scores_torch(
+            u, base.fc1_weight, base.fc1_bias, base.fc2_weight, base.fc2_bias
+        )
+        threshold = threshold_for(scores, 256)
+        dense = graph_time(
+            cycled(functools.partial(dense_ffn, u), weights, args.calls), args.repeats
+        )
+        want, _, _ = routed_ffn_triton(u, base, threshold)
+        chosen = routed_gemm.tiles_for
+        for gather_tiles, scatter_tiles in TILE_CANDIDATES:
+            routed_gemm.tiles_for = (
+                lambda rows, swiglu=False, g=gather_tiles, s=scatter_tiles: (
+                    g if swiglu else s
+                )
+            )
+            try:
+                y, _, _ = routed_ffn_triton(u, base, threshold)
+                error = relative_error(y, want)
+                t = routed_time(u, weights, threshold, args)
+                rows.append(
+                    f"| {name} | {tuple(gather_tiles)} | {tuple(scatter_tiles)} | "
+                    f"{t * 1e6:.1f} | {t / dense:.2f} | {error:.1e} |"
+                )
+            except Exception as e:  # a tile the GPU cannot take: say so, go on
+                rows.append(
+                    f"| {name} | {tuple(gather_tiles)} | {tuple(scatter_tiles)} | failed: {type(e).__name__} | | |"
+                )
+            finally:
+                routed_gemm.tiles_for = chosen
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -266,7 +306,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--calls", type=int, default=20)
     parser.add_argument(
-        "--parts", nargs="+", default=["ffn", "gemm"], choices=["ffn", "gemm"]
+        "--parts", nargs="+", default=["ffn", "gemm"], choices=["ffn", "gemm", "tiles"]
     )
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -282,14 +322,13 @@ def main() -> None:
         sections.append(
             "## Routed FFN layer vs dense FFN\n\n"
             f"bf16; shapes {shapes}. Dense = cuBLAS gate_up, SiLU * up, cuBLAS down (torch). "
-            "Routed = `routed_ffn_triton` (router in float32, device-side partition, "
-            "Triton gather GEMM + SwiGLU and scatter GEMM on the heavy rows, light path "
-            "by cuBLAS on every row, route picks per row); "
-            f"INT4 = the same with the FFN in o3_int4 (group {GROUP_SIZE}, sym) read by the "
-            "same kernels. T = 1: a token is heavy or light; a fraction is the mix of the "
-            "two timings.\n\n"
-            "| shape | T | heavy | dense FFN us | routed us | routed / dense | routed INT4 us | INT4 / dense |\n"
-            "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+            "Routed = `routed_ffn_triton`: router GEMM (float32, cuBLAS), one routing "
+            "kernel (router head, routes, heavy-row list), Triton gather GEMM + SwiGLU and "
+            "scatter GEMM on the heavy rows, light path by cuBLAS on every row, one combine "
+            "kernel. T = 1: a token is heavy or light; a fraction is the mix of the two "
+            "timings.\n\n"
+            "| shape | T | heavy | dense FFN us | routed us | routed / dense |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows)
         )
     if "gemm" in args.parts:
         shapes = {f"{name} {proj}": dims for name, (h, i, _, _) in FFN_SHAPES.items()
@@ -306,6 +345,16 @@ def main() -> None:
             "warps, stages). Error = relative L2 error vs cuBLAS on the dequantized weight.\n\n"
             "| weight N x K | zeros | M | bf16 us | INT4 default us | speed-up | INT4 best us (tiles) | speed-up | error |\n"
             "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
+        )
+    if "tiles" in args.parts:
+        rows = bench_tiles(args)
+        sections.append(
+            "## Heavy-GEMM tiles at T = 512, 50 % heavy\n\n"
+            "(block M, block N, warps, stages) of the gather GEMM (SwiGLU) and the scatter "
+            "GEMM; the first row is `tiles_for`'s choice. Error = relative L2 difference "
+            "from the first row's output.\n\n"
+            "| shape | gather tiles | scatter tiles | routed us | routed / dense | error |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows)
         )
     body = "\n\n".join(sections)
     print(body)

@@ -7,19 +7,17 @@ fractions cover none, some and all of the rows, plus CUDA-graph padding rows.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
 from vllm_o3.kernels.routed_gemm import (
-    dense_weight,
     gather_gemm,
     gather_gemm_reference,
     scatter_gemm,
     scatter_gemm_reference,
 )
+from vllm_o3.kernels.router import route_rows
 from vllm_o3.kernels.routing import (
     HEAVY,
     LIGHT,
@@ -27,11 +25,7 @@ from vllm_o3.kernels.routing import (
     partition_rows,
     routed_ffn_torch,
     router_scores_torch,
-)
-from vllm_o3.quantization.int4_format import (
-    Int4Weight,
-    largest_group_size,
-    quantize,
+    routes_torch,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,7 +35,6 @@ SHAPES = [  # (T, H, I, light_rank, router_hidden)
     (33, 128, 192, 16, 64),
     (70, 80, 112, 10, 20),
 ]
-INT4_SHAPES = [(1, 64, 96), (7, 96, 160), (33, 128, 192), (70, 256, 128)]  # T, H, I
 
 
 def make_weights(H, I, r, R, dtype, seed=0) -> RoutedFFNWeights:
@@ -63,23 +56,6 @@ def make_weights(H, I, r, R, dtype, seed=0) -> RoutedFFNWeights:
     )
 
 
-def int4_weight(weight: torch.Tensor, sym: bool) -> Int4Weight:
-    """`weight` [N, K] in o3_int4's layout, with the largest group that fits."""
-    group_size = largest_group_size("test", weight.shape[1])
-    packed = quantize(weight.float().cpu(), group_size, sym)
-    return Int4Weight(
-        qweight=packed.qweight.to(DEVICE),
-        scales=packed.scales.to(weight.dtype).to(DEVICE),
-        qzeros=None if sym else packed.qzeros.to(DEVICE),
-    )
-
-
-def with_int4_ffn(w: RoutedFFNWeights, sym: bool) -> RoutedFFNWeights:
-    return dataclasses.replace(
-        w, gate_up=int4_weight(w.gate_up, sym), down=int4_weight(w.down, sym)
-    )
-
-
 def threshold_for(scores: torch.Tensor, heavy_fraction: float) -> float:
     """A threshold that sends about `heavy_fraction` of the rows heavy."""
     if heavy_fraction == 0.0:
@@ -87,6 +63,33 @@ def threshold_for(scores: torch.Tensor, heavy_fraction: float) -> float:
     if heavy_fraction == 1.0:
         return 0.0
     return float(scores.float().quantile(1 - heavy_fraction))
+
+
+@pytest.mark.parametrize("T, H, I, r, R", [*SHAPES, (300, 64, 96, 8, 40)])
+@pytest.mark.parametrize("padding", [0, 3])
+def test_route_rows_equals_torch(T, H, I, r, R, padding):
+    w = make_weights(H, I, r, R, torch.bfloat16)
+    u = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
+    is_padding = torch.arange(T, device=DEVICE) >= T - padding if padding else None
+    expected = router_scores_torch(
+        u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias
+    )
+    ranked = expected.sort().values
+    k = T // 2  # a threshold between two scores: about half the rows heavy
+    threshold = float(ranked[0] - 1e-3 if k == 0 else (ranked[k - 1] + ranked[k]) / 2)
+    scores, route, order, marks = route_rows(
+        u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias, threshold, is_padding
+    )
+    torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-5)
+    want_route = routes_torch(expected, threshold, is_padding)
+    clear = (expected - threshold).abs() > 1e-6
+    assert torch.equal(route[clear], want_route[clear])
+    if not bool(clear.all()):  # a score on the threshold: either side is right
+        want_route = route
+    want_order, want_bounds = partition_rows(want_route)
+    assert marks.tolist() == [0, *want_bounds.tolist()]
+    num_heavy = int(want_bounds[0])
+    assert torch.equal(order[:num_heavy], want_order[:num_heavy])
 
 
 def test_partition_groups_heavy_then_light_then_padding():
@@ -151,20 +154,12 @@ def test_routed_ffn_triton_equals_torch(T, H, I, r, R, heavy_fraction, dtype):
     assert_routed_ffn_equals_torch(make_weights(H, I, r, R, dtype), T, heavy_fraction)
 
 
-@pytest.mark.parametrize("T, H, I", INT4_SHAPES)
-@pytest.mark.parametrize("heavy_fraction", [0.0, 0.5, 1.0])
-@pytest.mark.parametrize("sym", [True, False])
-def test_routed_ffn_triton_with_int4_ffn_equals_torch(T, H, I, heavy_fraction, sym):
-    w = with_int4_ffn(make_weights(H, I, 8, 16, torch.bfloat16), sym)
-    assert_routed_ffn_equals_torch(w, T, heavy_fraction)
-
-
 def assert_routed_ffn_equals_torch(
     w: RoutedFFNWeights, T: int, heavy_fraction: float
 ) -> None:
     dtype = w.light_up.dtype
     H = w.light_up.shape[0]
-    gate_up, down = dense_weight(w.gate_up, dtype), dense_weight(w.down, dtype)
+    gate_up, down = w.gate_up, w.down
     u = torch.randn(T, H, device=DEVICE).to(dtype)
     scores = router_scores_torch(u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias)
     threshold = threshold_for(scores, heavy_fraction)
@@ -191,35 +186,12 @@ def assert_routed_ffn_equals_torch(
         assert int(bounds[0]) == want_heavy
 
 
-@pytest.mark.parametrize("T, H, I", INT4_SHAPES)
-@pytest.mark.parametrize("sym", [True, False])
-def test_int4_gather_and_scatter_equal_torch(T, H, I, sym):
-    w = make_weights(H, I, 8, 16, torch.bfloat16)
-    gate_up, down = int4_weight(w.gate_up, sym), int4_weight(w.down, sym)
-    x = torch.randn(T, H, device=DEVICE).to(torch.bfloat16)
-    order = torch.randperm(T, device=DEVICE)
-    start = torch.tensor([T // 3], device=DEVICE)
-    end = torch.tensor([T], device=DEVICE)
-    n = T - T // 3
-    act = gather_gemm(x, order, start, end, gate_up, swiglu=True)
-    want = gather_gemm_reference(x, order, start, end, gate_up, swiglu=True)
-    torch.testing.assert_close(act[:n], want[:n], atol=2e-2, rtol=2e-2)
-    got = torch.full((T, H), 7.0, device=DEVICE).to(torch.bfloat16)
-    expected = got.clone()
-    scatter_gemm(want, order, start, end, down, got)
-    scatter_gemm_reference(want, order, start, end, down, expected)
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
-
-
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("int4", [False, True])
-def test_routed_ffn_triton_replays_in_a_cuda_graph(int4):
+def test_routed_ffn_triton_replays_in_a_cuda_graph():
     """Captured once, replayed on new tokens, routes and padding: every replay
     computes that batch's own split, and padding rows count as neither."""
     T, H, I, r, R = 48, 128, 192, 16, 64
     w = make_weights(H, I, r, R, torch.bfloat16)
-    if int4:
-        w = with_int4_ffn(w, sym=False)
     threshold = 0.5
     u = torch.zeros(T, H, device=DEVICE, dtype=torch.bfloat16)
     is_padding = torch.zeros(T, dtype=torch.bool, device=DEVICE)

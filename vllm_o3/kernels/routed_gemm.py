@@ -9,9 +9,9 @@ That keeps the whole routed FFN free of host syncs, so CUDA graphs capture it.
   (act: none, or SwiGLU over a merged [gate; up] weight).
 - `scatter_gemm`: y[order[m]] = a[m - start] @ W^T for m in [start, end).
 
-W is 16-bit [N, K], or an `Int4Weight` (o3_int4's layout, dequantized tile by
-tile in registers): the heavy rows of an INT4 model read the 4-bit weight.
-Each GEMM has its plain PyTorch reference beside it.
+Each has its plain PyTorch reference beside it. (An INT4 variant, the weight
+dequantized tile by tile as `int4_gemm_triton` does, was measured slower than
+this 16-bit one at every row count on an H200: docs/bench_gpu_kernels.md.)
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ from vllm_o3.kernels.triton_tiles import (
     dot_precision,
     multiprocessors,
     num_splits,
-    weight_tile,
 )
-from vllm_o3.quantization.int4_format import Int4Weight, dequantize
 
 BLOCK_K = 64
 
@@ -52,43 +50,15 @@ def tiles_for(rows: int, swiglu: bool = False) -> Tiles:
     return Tiles(128, 64 if swiglu else 128, 8, 3)
 
 
-class WeightArgs(NamedTuple):
-    """A weight as the kernels take it (`weight_tile`'s arguments)."""
-
-    w: torch.Tensor
-    scales: torch.Tensor
-    qzeros: torch.Tensor
-    stride_w: int
-    stride_s: int
-    stride_z: int
-    int4: bool
-    group_size: int
-    sym: bool
-    block_k: int
-    out_features: int
-    in_features: int
-
-
-def weight_args(weight: torch.Tensor | Int4Weight) -> WeightArgs:
-    if isinstance(weight, Int4Weight):
-        q, s, z = weight.qweight, weight.scales, weight.qzeros
-        group_size = weight.group_size
-        return WeightArgs(
-            q, s, q if z is None else z, q.stride(0), s.stride(0),
-            0 if z is None else z.stride(0), True, group_size, z is None,
-            min(BLOCK_K, group_size), q.shape[1], q.shape[0] * 8,
-        )  # fmt: skip
-    return WeightArgs(
-        weight, weight, weight, weight.stride(0), 0, 0, False, 1, True, BLOCK_K,
-        weight.shape[0], weight.shape[1],
-    )  # fmt: skip
-
-
-def dense_weight(weight: torch.Tensor | Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-    """The [N, K] weight in `dtype`: what the references multiply by."""
-    if isinstance(weight, Int4Weight):
-        return dequantize(weight, dtype)
-    return weight
+@triton.jit
+def _weight_tile(w_ptr, k0, n, n_ok, K, stride_w, BLOCK_K: tl.constexpr):
+    """[BLOCK_K, BLOCK_N] of W^T for a row-major [N, K] W, masked past K."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(
+        w_ptr + n[None, :] * stride_w + k[:, None],
+        mask=n_ok[None, :] & (k < K)[:, None],
+        other=0.0,
+    )
 
 
 @triton.jit
@@ -98,20 +68,13 @@ def _gather_gemm_kernel(
     start_ptr,
     end_ptr,
     w_ptr,
-    scales_ptr,
-    qzeros_ptr,
     out_ptr,
     N,
     K,
     stride_x,
     stride_w,
-    stride_s,
-    stride_z,
     stride_out,
     SWIGLU: tl.constexpr,
-    INT4: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    SYM: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -128,7 +91,6 @@ def _gather_gemm_kernel(
     rows = tl.load(order_ptr + m, mask=m_ok, other=0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
-    dtype = x_ptr.dtype.element_ty
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if SWIGLU:
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -139,22 +101,16 @@ def _gather_gemm_kernel(
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
         )
-        w = weight_tile(
-            w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok, K, stride_w, stride_s,
-            stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
-        ).to(dtype)  # fmt: skip
+        w = _weight_tile(w_ptr, k0, n, n_ok, K, stride_w, BLOCK_K)
         if UPCAST:
             a = a.to(tl.float32)
             w = w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION)
         if SWIGLU:
-            w_up = weight_tile(
-                w_ptr, scales_ptr, qzeros_ptr, k0, N + n, n_ok, K, stride_w,
-                stride_s, stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
-            ).to(dtype)  # fmt: skip
-            acc_up += tl.dot(
-                a, w_up.to(tl.float32) if UPCAST else w_up, input_precision=PRECISION
-            )
+            w_up = _weight_tile(w_ptr, k0, N + n, n_ok, K, stride_w, BLOCK_K)
+            if UPCAST:
+                w_up = w_up.to(tl.float32)
+            acc_up += tl.dot(a, w_up, input_precision=PRECISION)
     if SWIGLU:
         acc = acc * tl.sigmoid(acc) * acc_up
     out = out_ptr + (m - start)[:, None] * stride_out + n[None, :]
@@ -166,26 +122,24 @@ def gather_gemm(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor | Int4Weight,
+    weight: torch.Tensor,
     swiglu: bool = False,
 ) -> torch.Tensor:
     """Rows `order[start:end]` of `x` times `weight`^T, compacted into the first
     rows of a [T, N] result (rows past `end - start` are left uninitialised).
-    With `swiglu`, `weight` has 2N outputs (gate rows, then up rows)."""
-    w = weight_args(weight)
+    With `swiglu`, `weight` is [2N, K] (gate rows, then up rows)."""
     T, K = x.shape
-    N = w.out_features // 2 if swiglu else w.out_features
+    N = weight.shape[0] // 2 if swiglu else weight.shape[0]
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     if T == 0:
         return out
     t = tiles_for(T, swiglu)
     grid = (triton.cdiv(T, t.block_m), triton.cdiv(N, t.block_n))
     _gather_gemm_kernel[grid](
-        x, order, start, end, w.w, w.scales, w.qzeros, out, N, K,
-        x.stride(0), w.stride_w, w.stride_s, w.stride_z, out.stride(0),
-        SWIGLU=swiglu, INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym,
-        UPCAST=UPCAST_DOT, PRECISION=dot_precision(x.dtype),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=w.block_k,
+        x, order, start, end, weight, out, N, K,
+        x.stride(0), weight.stride(0), out.stride(0),
+        SWIGLU=swiglu, UPCAST=UPCAST_DOT, PRECISION=dot_precision(x.dtype),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
     return out
@@ -196,11 +150,11 @@ def gather_gemm_reference(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor | Int4Weight,
+    weight: torch.Tensor,
     swiglu: bool = False,
 ) -> torch.Tensor:
     rows = order[int(start) : int(end)]
-    y = x[rows].float() @ dense_weight(weight, x.dtype).float().t()
+    y = x[rows].float() @ weight.float().t()
     if swiglu:
         gate, up = y.chunk(2, dim=-1)
         y = F.silu(gate) * up
@@ -216,21 +170,14 @@ def _scatter_gemm_kernel(
     start_ptr,
     end_ptr,
     w_ptr,
-    scales_ptr,
-    qzeros_ptr,
     y_ptr,
     N,
     K,
     k_per_split,
     stride_a,
     stride_w,
-    stride_s,
-    stride_z,
     stride_split,
     stride_y,
-    INT4: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    SYM: tl.constexpr,
     UPCAST: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -256,10 +203,7 @@ def _scatter_gemm_kernel(
             mask=m_ok[:, None] & (k < K)[None, :],
             other=0.0,
         )
-        w = weight_tile(
-            w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok, K, stride_w, stride_s,
-            stride_z, INT4, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
-        ).to(a_ptr.dtype.element_ty)  # fmt: skip
+        w = _weight_tile(w_ptr, k0, n, n_ok, K, stride_w, BLOCK_K)
         if UPCAST:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=PRECISION)
@@ -270,15 +214,14 @@ def _scatter_gemm_kernel(
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-def scatter_splits(rows: int, weight: torch.Tensor | Int4Weight, device) -> int:
+def scatter_splits(rows: int, weight: torch.Tensor) -> int:
     """How many parts K is split into for `rows` rows: few rows make few
     programs, each running the whole of a long K (the FFN's down projection)
     one block after another."""
-    w = weight_args(weight)
+    N, K = weight.shape
     t = tiles_for(rows)
-    tiles = triton.cdiv(rows, t.block_m) * triton.cdiv(w.out_features, t.block_n)
-    k_blocks = triton.cdiv(w.in_features, w.block_k)
-    return num_splits(tiles, k_blocks, multiprocessors(device))
+    tiles = triton.cdiv(rows, t.block_m) * triton.cdiv(N, t.block_n)
+    return num_splits(tiles, triton.cdiv(K, BLOCK_K), multiprocessors(weight.device))
 
 
 def scatter_gemm(
@@ -286,28 +229,26 @@ def scatter_gemm(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor | Int4Weight,
+    weight: torch.Tensor,
     y: torch.Tensor,
 ) -> None:
     """y[order[m]] = a[m - start] @ weight^T for m in [start, end), in place;
     other rows of `y` are untouched. `y` is [T, N], or [S, T, N]: then K is
     split in S parts and y[s] gets part s's partial product (their sum is
     the product)."""
-    w = weight_args(weight)
     T, K = a.shape
-    N = w.out_features
+    N = weight.shape[0]
     if T == 0:
         return
     parts = y if y.dim() == 3 else y.unsqueeze(0)
-    k_per_split = triton.cdiv(triton.cdiv(K, w.block_k), parts.shape[0]) * w.block_k
+    k_per_split = triton.cdiv(triton.cdiv(K, BLOCK_K), parts.shape[0]) * BLOCK_K
     t = tiles_for(T)
     grid = (triton.cdiv(T, t.block_m), triton.cdiv(N, t.block_n), parts.shape[0])
     _scatter_gemm_kernel[grid](
-        a, order, start, end, w.w, w.scales, w.qzeros, parts, N, K, k_per_split,
-        a.stride(0), w.stride_w, w.stride_s, w.stride_z, parts.stride(0),
-        parts.stride(1), INT4=w.int4, GROUP_SIZE=w.group_size, SYM=w.sym,
+        a, order, start, end, weight, parts, N, K, k_per_split,
+        a.stride(0), weight.stride(0), parts.stride(0), parts.stride(1),
         UPCAST=UPCAST_DOT, PRECISION=dot_precision(a.dtype),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=w.block_k,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK_K,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )  # fmt: skip
 
@@ -317,9 +258,8 @@ def scatter_gemm_reference(
     order: torch.Tensor,
     start: torch.Tensor,
     end: torch.Tensor,
-    weight: torch.Tensor | Int4Weight,
+    weight: torch.Tensor,
     y: torch.Tensor,
 ) -> None:
     rows = order[int(start) : int(end)]
-    w = dense_weight(weight, a.dtype).float()
-    y[rows] = (a[: rows.numel()].float() @ w.t()).to(y.dtype)
+    y[rows] = (a[: rows.numel()].float() @ weight.float().t()).to(y.dtype)

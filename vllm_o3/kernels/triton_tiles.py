@@ -1,5 +1,5 @@
-"""Weight tiles shared by the Triton GEMMs: 16-bit, or INT4 dequantized in
-registers from the checkpoint's GPTQ-style layout (int4_format)."""
+"""Pieces shared by the Triton GEMMs: dot precision, split-K sizing, and the
+INT4 weight tile dequantized in registers from o3_int4's layout."""
 
 from __future__ import annotations
 
@@ -69,40 +69,3 @@ def dequantized_tile(
         zero = (zp >> ((n % 8) * 4)) & 0xF
         w = (q - zero[None, :]).to(tl.float32)
     return w * scale.to(tl.float32)[None, :]
-
-
-@triton.jit
-def weight_tile(
-    w_ptr,
-    scales_ptr,
-    qzeros_ptr,
-    k0,
-    n,
-    n_ok,
-    K,
-    stride_w,
-    stride_s,
-    stride_z,
-    INT4: tl.constexpr,
-    GROUP_SIZE: tl.constexpr,
-    SYM: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """[BLOCK_K, BLOCK_N] of W^T in `w_ptr`'s element type (16-bit), or in
-    float32 when INT4; a 16-bit W is [N, K] row-major, masked past K."""
-    # One return: Triton checks every return's type, even in a branch that a
-    # constexpr condition removes.
-    if INT4:
-        w = dequantized_tile(
-            w_ptr, scales_ptr, qzeros_ptr, k0, n, n_ok,
-            stride_w, stride_s, stride_z, GROUP_SIZE, SYM, BLOCK_K, BLOCK_N,
-        )  # fmt: skip
-    else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(
-            w_ptr + n[None, :] * stride_w + k[:, None],
-            mask=n_ok[None, :] & (k < K)[:, None],
-            other=0.0,
-        )
-    return w
