@@ -87,3 +87,21 @@ def test_the_operation_compiles_opaque_and_equals_eager():
     compiled = torch.compile(fn, fullgraph=True, dynamic=True)
     torch.testing.assert_close(compiled(x), fn(x))
     assert_equals_dequantized(fn(x) / 2, x, w)
+
+
+def test_a_layer_vllm_has_no_kernel_for_runs_the_triton_gemm(caplog):
+    """An output size that is not a multiple of 8 leaves vLLM's selection
+    without a kernel (its CPU kernels need multiples of 32, its GPU ones of 8
+    or 64); the layer runs on the Triton GEMM and says so."""
+    pytest.importorskip("vllm")
+    from vllm_o3.kernels.int4_linear import Int4Linear
+
+    w = random_int4(100, 256, 64, True, torch.bfloat16, seed=3)
+    with caplog.at_level("WARNING"):
+        linear = Int4Linear(w, torch.bfloat16, name="layers.3.mlp.down_proj",
+                            vllm_kernel=True)  # fmt: skip
+    assert "layers.3.mlp.down_proj: vLLM has no mixed-precision kernel" in caplog.text
+    x = torch.randn(2, 5, 256, device=DEVICE).to(torch.bfloat16)
+    got = linear(x)
+    assert got.shape == (2, 5, 100)
+    assert_equals_dequantized(got.reshape(10, 100), x.reshape(10, 256), w)

@@ -17,7 +17,9 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
   per path: 1 byte per weight, half of 16-bit.
 
 GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
-Marlin, Machete, ...) on the checkpoint's GPTQ layout.
+Machete, Marlin, ..., its own Triton W4A16) on the checkpoint's GPTQ layout;
+for a layer none of them takes (e.g. a symmetric weight whose output size is
+not a multiple of 8), `int4_gemm_triton` on the same layout, logged.
 
 `dequantize` (int4_format) is the reference every path is tested against.
 """
@@ -253,7 +255,17 @@ class Int4Linear(nn.Module):
             group_size=self.group_size,
             zero_points=not sym,
         )
-        kernel_type = choose_mp_linear_kernel(config)
+        try:
+            kernel_type = choose_mp_linear_kernel(config)
+        except ValueError as no_kernel:
+            logger.warning(
+                "%s: vLLM has no mixed-precision kernel for this layer (%s); "
+                "o3_int4's Triton W4A16 GEMM runs it (docs/bench_gpu_kernels.md)",
+                self.name,
+                str(no_kernel).replace("\n", " "),
+            )
+            self._init_triton(weight)
+            return
         self.params = nn.Module()  # the parameter names vLLM's kernels expect
         self.params.weight_packed = PackedvLLMParameter(
             data=weight.qweight, input_dim=0, output_dim=1, packed_dim=0,
@@ -276,3 +288,17 @@ class Int4Linear(nn.Module):
         self.kernel = kernel_type(config, "weight_packed", "weight_scale", zero_name)
         self.kernel.process_weights_after_loading(self.params)
         self.forward = lambda x: self.kernel.apply_weights(self.params, x)
+
+    def _init_triton(self, weight: Int4Weight) -> None:
+        from vllm_o3.kernels import int4_gemm_triton  # noqa: F401 (registers the op)
+
+        self.register_buffer("qweight", weight.qweight, persistent=False)
+        self.register_buffer("scales", weight.scales.to(self.dtype), persistent=False)
+        self.register_buffer("qzeros", weight.qzeros, persistent=False)
+        self.forward = self._forward_triton
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.o3.int4_gemm_triton(
+            self._rows_of(x), self.qweight, self.scales, self.qzeros
+        )
+        return y.reshape(*x.shape[:-1], self.out_features)
