@@ -22,11 +22,47 @@ import triton.language as tl
 
 from vllm_o3.kernels.triton_tiles import (
     UPCAST_DOT,
-    dequantized_tile,
     dot_precision,
     multiprocessors,
     num_splits,
 )
+
+
+@triton.jit
+def dequantized_tile(
+    qweight_ptr,
+    scales_ptr,
+    qzeros_ptr,
+    k0,
+    n,
+    n_ok,
+    stride_q,
+    stride_s,
+    stride_z,
+    GROUP_SIZE: tl.constexpr,
+    SYM: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows k0 .. k0 + BLOCK_K of W^T, columns `n`, in float32 ([BLOCK_K,
+    BLOCK_N]), from `qweight` [K/8, N], `scales` [K/G, N] and (asymmetric)
+    `qzeros` [K/G, N/8]; the rows lie in one quantization group."""
+    kp = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    packed = tl.load(
+        qweight_ptr + kp[:, None] * stride_q + n[None, :], mask=n_ok[None, :], other=0
+    )
+    shifts = tl.arange(0, 8) * 4
+    q = (packed[:, None, :] >> shifts[None, :, None]) & 0xF  # [BK/8, 8, BN]
+    q = tl.reshape(q, (BLOCK_K, BLOCK_N))  # row 8 i + j: nibble j of word i
+    g = k0 // GROUP_SIZE
+    scale = tl.load(scales_ptr + g * stride_s + n, mask=n_ok, other=0.0)
+    if SYM:
+        w = (q - 8).to(tl.float32)
+    else:
+        zp = tl.load(qzeros_ptr + g * stride_z + n // 8, mask=n_ok, other=0)
+        zero = (zp >> ((n % 8) * 4)) & 0xF
+        w = (q - zero[None, :]).to(tl.float32)
+    return w * scale.to(tl.float32)[None, :]
 
 
 @triton.jit
