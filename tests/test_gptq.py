@@ -12,7 +12,7 @@ import vllm_o3  # noqa: F401
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.gptq import gptq_quantize
-from vllm_o3.quantization.int4_format import dequantize, quantize
+from vllm_o3.quantization.int4_format import FFN_PROJECTIONS, dequantize, quantize
 from vllm_o3.tools.quantize import quantize_checkpoint
 
 
@@ -65,3 +65,27 @@ def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
     gptq_error = (logits(gptq) - want).pow(2).mean()
     rtn_error = (logits(rtn) - want).pow(2).mean()
     assert gptq_error < rtn_error
+
+
+def test_calibration_hessians_are_the_ffn_inputs(tiny_checkpoint):
+    """One X^T X per projection: down_proj's from the activations, gate_proj's
+    (shared with up_proj, same input) from the normed hidden states, each
+    counting the rows that reached the FFN."""
+    from vllm_o3.tools.quantize import ffn_input_hessians
+
+    config = O3Config.from_pretrained(tiny_checkpoint)
+    window = list(range(3, 3 + 24))
+    hessians = ffn_input_hessians(tiny_checkpoint, [window])
+    projections = {
+        n.removesuffix(".weight")
+        for n in expected_tensor_shapes(config)
+        if n.removesuffix(".weight").endswith(FFN_PROJECTIONS)
+    }
+    assert set(hessians) == projections
+    for name, h in hessians.items():
+        size = config.intermediate_size if "down_proj" in name else config.hidden_size
+        assert h.shape == (size, size) and h.dtype == torch.float64
+        assert torch.allclose(h, h.t())
+        assert torch.linalg.eigvalsh(h).min() > -1e-6 * h.diagonal().max()
+        if name.endswith("up_proj"):
+            assert h is hessians[name.removesuffix("up_proj") + "gate_proj"]

@@ -35,7 +35,8 @@ def ffn_input_hessians(src: Path, windows: list[list[int]]) -> dict[str, torch.T
     """X^T X of the inputs of every FFN projection (by checkpoint name, without
     `.weight`) over `windows` of token ids, through the reference model in
     float32: the tokens each projection actually sees (heavy ones, in routed
-    layers)."""
+    layers). gate_proj and up_proj read the same input: one product serves
+    both."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -51,7 +52,7 @@ def ffn_input_hessians(src: Path, windows: list[list[int]]) -> dict[str, torch.T
     hooks = [
         module.register_forward_pre_hook(accumulate(name))
         for name, module in model.named_modules()
-        if name.endswith(FFN_PROJECTIONS)
+        if name.endswith(("mlp.gate_proj", "mlp.down_proj"))
     ]
     try:
         for window in tqdm(windows, desc="calibration windows"):
@@ -59,6 +60,8 @@ def ffn_input_hessians(src: Path, windows: list[list[int]]) -> dict[str, torch.T
     finally:
         for hook in hooks:
             hook.remove()
+    for name in [n for n in hessians if n.endswith("mlp.gate_proj")]:
+        hessians[name.removesuffix("gate_proj") + "up_proj"] = hessians[name]
     return hessians
 
 
