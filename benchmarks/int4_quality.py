@@ -4,13 +4,14 @@ Austen, Reuters news, Python's documentation).
 
 Settings: online quantization (`--quantization o3_int4`: round-to-nearest,
 symmetric, per projection the largest group of 128/64/32 dividing its input),
-and offline checkpoints written by `vllm-o3 quantize` (round-to-nearest) for
-every group size that divides the model's FFN, symmetric and asymmetric. The
-default model's weights come from a Q4_1 GGUF (4-bit, asymmetric, groups of
-32), so group 32 asymmetric re-quantizes them almost exactly: the near-lossless
-row.
+and offline checkpoints written by `vllm-o3 quantize` for
+every group size that divides the model's FFN, symmetric and asymmetric,
+round-to-nearest and (`--methods rtn gptq`) GPTQ calibrated on the corpora's
+calibration split (as `vllm-o3 quantize --method gptq`). The default model's
+weights come from a Q4_1 GGUF (4-bit, asymmetric, groups of 32), so group 32
+asymmetric re-quantizes them almost exactly: the near-lossless row.
 
-    python -m benchmarks.int4_quality [MODEL] [--windows 4]
+    python -m benchmarks.int4_quality [MODEL] [--windows 4] [--methods rtn gptq]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
 
     from vllm_o3.model import O3Config
     from vllm_o3.quantization.int4_format import GROUP_SIZES
+    from vllm_o3.tools.cli import calibration_windows
     from vllm_o3.tools.corpora import load_corpora
     from vllm_o3.tools.evaluate import text_windows, vllm_window_nlls
     from vllm_o3.tools.quantize import quantize_checkpoint
@@ -55,6 +57,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="o3", type=Path)
     parser.add_argument("--windows", type=int, default=4, help="per domain")
+    parser.add_argument(
+        "--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq"]
+    )
+    parser.add_argument("--calibration-windows", type=int, default=32)
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -67,8 +73,13 @@ def main() -> None:
     config = O3Config.from_pretrained(args.model)
     inputs = (config.hidden_size, config.intermediate_size)
     groups = [g for g in GROUP_SIZES if all(n % g == 0 for n in inputs)]
-    # (label, engine options, offline (group size, symmetric) or None)
-    settings: list[tuple[str, dict, tuple[int, bool] | None]] = [
+    calibration = (
+        calibration_windows(args.model, args.calibration_windows)
+        if "gptq" in args.methods
+        else None
+    )
+    # (label, engine options, offline (group size, symmetric, calibrated) or None)
+    settings: list[tuple[str, dict, tuple[int, bool, bool] | None]] = [
         ("16-bit", {}, None),
         (
             "online: symmetric, largest group per projection",
@@ -76,18 +87,24 @@ def main() -> None:
             None,
         ),
     ]
-    for group in sorted(groups, reverse=True):
-        for sym in (True, False):
-            kind = "symmetric" if sym else "asymmetric"
-            settings.append((f"offline: group {group}, {kind}", {}, (group, sym)))
+    for method in args.methods:
+        for group in sorted(groups, reverse=True):
+            for sym in (True, False):
+                kind = "symmetric" if sym else "asymmetric"
+                label = f"offline {method}: group {group}, {kind}"
+                settings.append((label, {}, (group, sym, method == "gptq")))
 
     perplexity: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="o3-int4-quality-") as scratch:
         for label, options, offline in tqdm(settings, desc="settings"):
             path = args.model
             if offline is not None:
-                path = Path(scratch) / f"g{offline[0]}-{offline[1]}"
-                quantize_checkpoint(args.model, path, *offline)
+                group, sym, calibrated = offline
+                path = Path(scratch) / f"g{group}-{sym}-{calibrated}"
+                quantize_checkpoint(
+                    args.model, path, group, sym,
+                    calibration=calibration if calibrated else None,
+                )  # fmt: skip
             nlls = vllm_window_nlls(
                 str(path), all_windows, dtype="bfloat16", enforce_eager=True, **options
             )
@@ -110,7 +127,14 @@ def main() -> None:
         f"{', '.join(map(str, groups))}). Held-out windows of 512 tokens, "
         f"{args.windows} per domain, {sum(len(w) for w in all_windows)} tokens; "
         "bfloat16, vLLM eager mode; perplexity from vLLM's prompt "
-        "log-probabilities, increase over 16-bit in brackets.\n\n"
+        "log-probabilities, increase over 16-bit in brackets."
+        + (
+            f" GPTQ: calibrated on {args.calibration_windows} windows of 512 tokens "
+            "of the corpora's calibration split (disjoint from the held-out text)."
+            if calibration
+            else ""
+        )
+        + "\n\n"
         "| setting | " + " | ".join(columns) + " |\n"
         "|---|" + "---|" * len(columns) + "\n" + "\n".join(lines)
     )
