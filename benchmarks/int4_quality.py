@@ -52,7 +52,7 @@ def main() -> None:
     from vllm_o3.tools.cli import calibration_windows
     from vllm_o3.tools.corpora import load_corpora
     from vllm_o3.tools.evaluate import text_windows, vllm_window_nlls
-    from vllm_o3.tools.quantize import quantize_checkpoint
+    from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="o3", type=Path)
@@ -73,8 +73,11 @@ def main() -> None:
     config = O3Config.from_pretrained(args.model)
     inputs = (config.hidden_size, config.intermediate_size)
     groups = [g for g in GROUP_SIZES if all(n % g == 0 for n in inputs)]
-    calibration = (
-        calibration_windows(args.model, args.calibration_windows)
+    # The Hessians depend on the model and the calibration text only: once.
+    hessians = (
+        ffn_input_hessians(
+            args.model, calibration_windows(args.model, args.calibration_windows)
+        )
         if "gptq" in args.methods
         else None
     )
@@ -103,7 +106,7 @@ def main() -> None:
                 path = Path(scratch) / f"g{group}-{sym}-{calibrated}"
                 quantize_checkpoint(
                     args.model, path, group, sym,
-                    calibration=calibration if calibrated else None,
+                    hessians=hessians if calibrated else None,
                 )  # fmt: skip
             nlls = vllm_window_nlls(
                 str(path), all_windows, dtype="bfloat16", enforce_eager=True, **options
@@ -131,7 +134,7 @@ def main() -> None:
         + (
             f" GPTQ: calibrated on {args.calibration_windows} windows of 512 tokens "
             "of the corpora's calibration split (disjoint from the held-out text)."
-            if calibration
+            if hessians
             else ""
         )
         + "\n\n"

@@ -13,7 +13,7 @@ from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.gptq import gptq_quantize
 from vllm_o3.quantization.int4_format import FFN_PROJECTIONS, dequantize, quantize
-from vllm_o3.tools.quantize import quantize_checkpoint
+from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -47,8 +47,9 @@ def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
     torch.manual_seed(0)
     vocab = O3Config.from_pretrained(tiny_checkpoint).vocab_size
     windows = torch.randint(vocab, (4, 128)).tolist()
+    hessians = ffn_input_hessians(tiny_checkpoint, windows)
     gptq = quantize_checkpoint(
-        tiny_checkpoint, tmp_path / "gptq", 32, False, calibration=windows
+        tiny_checkpoint, tmp_path / "gptq", 32, False, hessians=hessians
     )
     rtn = quantize_checkpoint(tiny_checkpoint, tmp_path / "rtn", 32, False)
     config = O3Config.from_pretrained(gptq)
@@ -71,8 +72,6 @@ def test_calibration_hessians_are_the_ffn_inputs(tiny_checkpoint):
     """One X^T X per projection: down_proj's from the activations, gate_proj's
     (shared with up_proj, same input) from the normed hidden states, each
     counting the rows that reached the FFN."""
-    from vllm_o3.tools.quantize import ffn_input_hessians
-
     config = O3Config.from_pretrained(tiny_checkpoint)
     window = list(range(3, 3 + 24))
     hessians = ffn_input_hessians(tiny_checkpoint, [window])

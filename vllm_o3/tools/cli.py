@@ -131,18 +131,19 @@ def calibration_windows(model: Path, count: int) -> list[list[int]]:
 
 def run_quantize(args: argparse.Namespace) -> None:
     from vllm_o3.model.config import O3Config
-    from vllm_o3.tools.quantize import quantize_checkpoint
+    from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
 
-    calibration = None
+    hessians = None
     if args.method == "gptq":
-        calibration = calibration_windows(args.src, args.calibration_windows)
+        windows = calibration_windows(args.src, args.calibration_windows)
+        hessians = ffn_input_hessians(args.src, windows)
     path = quantize_checkpoint(
         args.src,
         args.out,
         args.group_size,
         args.sym,
         overwrite=args.force,
-        calibration=calibration,
+        hessians=hessians,
     )
     group_size, sym = O3Config.from_pretrained(path).int4_format
     kind = "symmetric" if sym else "asymmetric"

@@ -71,11 +71,12 @@ def quantize_checkpoint(
     group_size: int | None = None,
     sym: bool = True,
     overwrite: bool = False,
-    calibration: list[list[int]] | None = None,
+    hessians: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `out`: `src` with its FFN projections in INT4; `group_size`
     None takes the largest that divides the FFN's input sizes. With
-    `calibration` (windows of token ids), GPTQ; without, round-to-nearest."""
+    `hessians` (`ffn_input_hessians` of `src` over calibration text), GPTQ;
+    without, round-to-nearest."""
     src = Path(src)
     check_checkpoint_folder(src)
     config = O3Config.from_pretrained(src)
@@ -93,11 +94,10 @@ def quantize_checkpoint(
     ffn = [
         n for n in tensors if n.endswith(tuple(f"{p}.weight" for p in FFN_PROJECTIONS))
     ]
-    hessians = ffn_input_hessians(src, calibration) if calibration else {}
     for name in tqdm(ffn, desc="quantizing FFN projections"):
         base = name.removesuffix(".weight")
         weight = tensors.pop(name)
-        if calibration:
+        if hessians is not None:
             if base not in hessians:
                 raise ValueError(f"{src}: calibration never reached {base}")
             packed = gptq_quantize(weight, hessians[base], group_size, sym)
