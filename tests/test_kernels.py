@@ -151,23 +151,15 @@ def test_scatter_gemm_split_k_parts_sum_to_the_product(splits):
 @pytest.mark.parametrize("heavy_fraction", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_routed_ffn_triton_equals_torch(T, H, I, r, R, heavy_fraction, dtype):
-    assert_routed_ffn_equals_torch(make_weights(H, I, r, R, dtype), T, heavy_fraction)
-
-
-def assert_routed_ffn_equals_torch(
-    w: RoutedFFNWeights, T: int, heavy_fraction: float
-) -> None:
-    dtype = w.light_up.dtype
-    H = w.light_up.shape[0]
-    gate_up, down = w.gate_up, w.down
+    w = make_weights(H, I, r, R, dtype)
     u = torch.randn(T, H, device=DEVICE).to(dtype)
     scores = router_scores_torch(u, w.fc1_weight, w.fc1_bias, w.fc2_weight, w.fc2_bias)
     threshold = threshold_for(scores, heavy_fraction)
 
     def heavy_ffn(x):
-        gate, up = (x.float() @ gate_up.float().t()).chunk(2, dim=-1)
+        gate, up = (x.float() @ w.gate_up.float().t()).chunk(2, dim=-1)
         return (
-            (torch.nn.functional.silu(gate) * up).to(dtype).float() @ down.float().t()
+            (torch.nn.functional.silu(gate) * up).to(dtype).float() @ w.down.float().t()
         ).to(dtype)
 
     def light_path(x):
