@@ -7,7 +7,7 @@ forward pass where each layer's weights come from memory), replayed
 `--repeats` times; the median replay over the calls is reported. Each kernel
 is checked against its PyTorch reference on the same inputs first.
 
-    python -m benchmarks.gpu_kernels [--repeats 20] [--calls 20]
+    python -m benchmarks.gpu_kernels [--repeats 20] [--calls 20] [--parts ffn gemm tiles]
 """
 
 from __future__ import annotations
