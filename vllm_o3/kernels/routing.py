@@ -41,7 +41,7 @@ def routes_torch(
 def partition_rows(route: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row indices grouped as heavy, light, padding (each in row order), and
     the group bounds (number of heavy rows, number of real rows) as an int64
-    device tensor: no host sync, so it can be captured in a CUDA graph."""
+    tensor: the definition of `router.route_rows`' heavy-row list and counts."""
     order = torch.argsort(route, stable=True)
     bounds = torch.stack([(route == HEAVY).sum(), (route != PADDING).sum()])
     return order, bounds
