@@ -4,12 +4,13 @@ Austen, Reuters news, Python's documentation).
 
 Settings: online quantization (`--quantization o3_int4`: round-to-nearest,
 symmetric, per projection the largest group of 128/64/32 dividing its input),
-and offline checkpoints written by `vllm-o3 quantize` for
-every group size that divides the model's FFN, symmetric and asymmetric,
-round-to-nearest and (`--methods rtn gptq`) GPTQ calibrated on the corpora's
-calibration split (as `vllm-o3 quantize --method gptq`). The default model's
-weights come from a Q4_1 GGUF (4-bit, asymmetric, groups of 32), so group 32
-asymmetric re-quantizes them almost exactly: the near-lossless row.
+and offline checkpoints written by `vllm-o3 quantize` for every group size
+that divides the model's FFN, symmetric and asymmetric, round-to-nearest and
+(`--methods rtn gptq`) GPTQ calibrated on the corpora's calibration split (as
+`vllm-o3 quantize --method gptq`). The default model's weights come from a
+Q4_1 GGUF (4-bit, asymmetric, groups of 32): group 32 asymmetric has their
+grid but an integer zero point where Q4_1 has a float minimum, so it is not
+lossless (docs/bench_int4_quality.md).
 
     python -m benchmarks.int4_quality [MODEL] [--windows 4] [--methods rtn gptq]
 """
