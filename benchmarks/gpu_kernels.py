@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from benchmarks.common import write_report
+from benchmarks.routed_ffn_layer import threshold_for
 from vllm_o3.kernels import routed_gemm
 from vllm_o3.kernels.int4_gemm_triton import TileConfig, int4_gemm, tile_config
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
@@ -178,17 +179,6 @@ def ffn_weights(hidden: int, inter: int, rank: int, router: int) -> RoutedFFNWei
 def dense_ffn(u: torch.Tensor, w: RoutedFFNWeights) -> torch.Tensor:
     gate, up = F.linear(u, w.gate_up).chunk(2, dim=-1)
     return F.linear(F.silu(gate) * up, w.down)
-
-
-def threshold_for(scores: torch.Tensor, num_heavy: int) -> float:
-    """A threshold that sends exactly the `num_heavy` best-scoring rows heavy,
-    midway between two scores (the kernel's scores may differ in the last bit)."""
-    ranked = scores.sort(descending=True).values.tolist()
-    if num_heavy == 0:
-        return 2.0
-    if num_heavy == len(ranked):
-        return ranked[-1] / 2
-    return (ranked[num_heavy - 1] + ranked[num_heavy]) / 2
 
 
 def weight_copies(w: RoutedFFNWeights, calls: int) -> list[RoutedFFNWeights]:

@@ -49,10 +49,14 @@ def build_layers(hidden: int, intermediate: int, light_rank: int, router_hidden:
 
 
 def threshold_for(scores: torch.Tensor, num_heavy: int) -> float:
-    """A threshold that sends exactly the `num_heavy` best-scoring rows heavy."""
+    """A threshold that sends exactly the `num_heavy` best-scoring rows heavy,
+    midway between two scores (a kernel's scores may differ in the last bit)."""
+    ranked = scores.sort(descending=True).values.tolist()
     if num_heavy == 0:
         return 2.0
-    return float(scores.sort(descending=True).values[num_heavy - 1])
+    if num_heavy == len(ranked):
+        return ranked[-1] / 2
+    return (ranked[num_heavy - 1] + ranked[num_heavy]) / 2
 
 
 def per_row_time(fn, rows: torch.Tensor, repeats: int) -> float:
