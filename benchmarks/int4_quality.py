@@ -50,10 +50,13 @@ def main() -> None:
 
     from vllm_o3.model import O3Config
     from vllm_o3.quantization.int4_format import GROUP_SIZES
-    from vllm_o3.tools.cli import calibration_windows
     from vllm_o3.tools.corpora import load_corpora
     from vllm_o3.tools.evaluate import text_windows, vllm_window_nlls
-    from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
+    from vllm_o3.tools.quantize import (
+        calibration_windows,
+        ffn_input_hessians,
+        quantize_checkpoint,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model", nargs="?", default="o3", type=Path)

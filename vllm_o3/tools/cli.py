@@ -108,30 +108,13 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(run=run_quantize)
 
 
-def calibration_windows(model: Path, count: int) -> list[list[int]]:
-    """`count` windows of 512 tokens from the corpora's calibration split,
-    shared evenly by the four domains."""
-    from transformers import AutoTokenizer
-
-    from vllm_o3.tools.corpora import load_corpora
-    from vllm_o3.tools.evaluate import text_windows
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    corpora = load_corpora()
-    per_domain = -(-count // len(corpora))
-    windows = [
-        window
-        for corpus in corpora.values()
-        for window in text_windows(
-            tokenizer, "\n\n".join(corpus.calibration), per_domain
-        )
-    ]
-    return windows[:count]
-
-
 def run_quantize(args: argparse.Namespace) -> None:
     from vllm_o3.model.config import O3Config
-    from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
+    from vllm_o3.tools.quantize import (
+        calibration_windows,
+        ffn_input_hessians,
+        quantize_checkpoint,
+    )
 
     hessians = None
     if args.method == "gptq":

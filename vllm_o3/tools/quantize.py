@@ -30,6 +30,27 @@ from vllm_o3.tools.output import atomic_output_dir
 WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 
 
+def calibration_windows(model: Path, count: int) -> list[list[int]]:
+    """`count` windows of 512 tokens from the corpora's calibration split,
+    shared evenly by the four domains."""
+    from transformers import AutoTokenizer
+
+    from vllm_o3.tools.corpora import load_corpora
+    from vllm_o3.tools.evaluate import text_windows
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    corpora = load_corpora()
+    per_domain = -(-count // len(corpora))
+    windows = [
+        window
+        for corpus in corpora.values()
+        for window in text_windows(
+            tokenizer, "\n\n".join(corpus.calibration), per_domain
+        )
+    ]
+    return windows[:count]
+
+
 @torch.no_grad()
 def ffn_input_hessians(src: Path, windows: list[list[int]]) -> dict[str, torch.Tensor]:
     """X^T X of the inputs of every FFN projection (by checkpoint name, without
