@@ -55,6 +55,7 @@ from vllm_o3.model.checkpoint import (
     is_ignored,
 )
 from vllm_o3.model.config import O3Config
+from vllm_o3.model.cpu_allocator import keep_freed_memory
 from vllm_o3.model.router_metrics import ROUTER_COUNTS
 
 logger = init_logger(__name__)
@@ -329,6 +330,8 @@ class O3ForCausalLM(LlamaForCausalLM):
             # Before any weight is read: a truncated file or a missing or
             # misshapen tensor is refused naming it, not half-loaded.
             check_checkpoint_folder(folder)
+        if current_platform.is_cpu():
+            keep_freed_memory()
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
         )
