@@ -5,11 +5,13 @@
 `--compare int4`: the checkpoint in 16-bit against `--quantization o3_int4`
 (online round-to-nearest, group 128, symmetric).
 
-For each compilation mode (vLLM's default compiled mode, and eager) and each
-variant, one engine measures prefill tokens/s (16 prompts of 512 tokens of
-real text, one step each) and decode tokens/s at batch 1 and 16, with the
-routers' heavy fraction during each measurement and the bytes of the loaded
-weights. Medians of repeats.
+For each compilation mode (vLLM's default compiled mode, and eager), one
+engine per variant, side by side, measures prefill tokens/s (16 prompts of
+512 tokens of real text, one step each) and decode tokens/s at batch 1 and
+16, with the routers' heavy fraction during each measurement and the bytes
+of the loaded weights. Medians of repeats. The engines' threads get every
+CPU of this process: vLLM's automatic binding keeps one core for its front
+end, which on a two-core machine halves the model's compute.
 
     python -m benchmarks.e2e_speed MODEL --compare routing|int4 [--modes compiled eager]
 """
@@ -23,6 +25,9 @@ import time
 
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # router_counts
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+os.environ.setdefault(
+    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
+)
 
 PREFILL_PROMPTS, PREFILL_LEN = 16, 512
 DECODE_PROMPT_LEN, DECODE_TOKENS = 32, 64
@@ -105,26 +110,44 @@ class Engine:
         self.llm.llm_engine.engine_core.shutdown()
 
 
-def measure(model: str, options: dict, eager: bool, repeats: int) -> dict:
+METRICS = {
+    "prefill": Engine.prefill,
+    "decode_b1": lambda engine: engine.decode(1),
+    "decode_b16": lambda engine: engine.decode(16),
+}
+
+
+def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
+    """Per variant label: {metric: (median tokens/s, median heavy fraction)}
+    and "weights". The variants' engines run side by side, their repeats
+    interleaved, so that a drift of the machine's speed hits all alike."""
     from benchmarks.common import weight_bytes
 
-    engine = Engine(model, options, eager)
+    engines: dict[str, Engine] = {}
     try:
-        engine.timed(engine.decode_prompts[:2], 4)  # warm-up
-        results = {"weights": (engine.llm.apply_model(weight_bytes)[0], None)}
-        for name, run in (
-            ("prefill", engine.prefill),
-            ("decode_b1", lambda: engine.decode(1)),
-            ("decode_b16", lambda: engine.decode(16)),
-        ):
-            samples = [run() for _ in range(repeats)]
-            results[name] = (
-                statistics.median(s[0] for s in samples),
-                statistics.median(s[1] for s in samples),
-            )
+        for label, options in variants:
+            engines[label] = Engine(model, options, eager)
+            engines[label].timed(engines[label].decode_prompts[:2], 4)  # warm-up
+        samples = {(label, metric): [] for label in engines for metric in METRICS}
+        for _ in range(repeats):
+            for metric, run in METRICS.items():
+                for label, engine in engines.items():
+                    samples[label, metric].append(run(engine))
+        results = {}
+        for label, engine in engines.items():
+            results[label] = {
+                "weights": (engine.llm.apply_model(weight_bytes)[0], None)
+            }
+            for metric in METRICS:
+                runs = samples[label, metric]
+                results[label][metric] = (
+                    statistics.median(s[0] for s in runs),
+                    statistics.median(s[1] for s in runs),
+                )
         return results
     finally:
-        engine.close()
+        for engine in engines.values():
+            engine.close()
 
 
 def main() -> None:
@@ -140,21 +163,19 @@ def main() -> None:
     parser.add_argument("--report", default=None, help="docs/ file name")
     args = parser.parse_args()
     variants = VARIANTS[args.compare]
-    runs = [
-        (mode, label, options) for mode in args.modes for label, options in variants
-    ]
     results = {}
-    for mode, label, options in tqdm(runs, desc="engines"):
-        results[mode, label] = measure(
-            args.model, options, mode == "eager", args.repeats
-        )
+    for mode in tqdm(args.modes, desc="modes"):
+        for label, measured in measure(
+            args.model, variants, mode == "eager", args.repeats
+        ).items():
+            results[mode, label] = measured
     baseline = variants[-1][0]
     lines = [
         "| mode | variant | metric | tokens/s | heavy fraction | vs baseline |",
         "|---|---|---|---|---|---|",
     ]
     for mode in args.modes:
-        for metric in ("prefill", "decode_b1", "decode_b16"):
+        for metric in METRICS:
             base = results[mode, baseline][metric][0]
             for label, _ in variants:
                 speed, heavy = results[mode, label][metric]
@@ -171,7 +192,7 @@ def main() -> None:
         f"tokens in one step. Decode: prompts of {DECODE_PROMPT_LEN} tokens, "
         f"{DECODE_TOKENS} greedy tokens, prefill time subtracted. Prefix caching "
         f"off; medians of {args.repeats} repeats; heavy fraction over all routed "
-        "layers during the measurement.\n\n"
+        "layers during the measurement; the two engines run side by side, repeats interleaved.\n\n"
         + "\n".join(lines)
         + "\n\nLoaded weights (parameters, buffers and the 16-bit linear weights vLLM holds in oneDNN):\n\n"
         + weights
