@@ -42,6 +42,21 @@ def test_gptq_moves_outputs_on_correlated_inputs_less(sym):
     assert output_error(gptq) < 0.5 * output_error(quantize(weight, 32, sym))
 
 
+@pytest.mark.parametrize("sym", [True, False])
+def test_the_input_with_most_energy_is_rounded_first(sym):
+    # Act-order: column 77 has the largest Hessian diagonal, so it is rounded
+    # before any error reaches it (as round-to-nearest does, on the same
+    # static grid) while the columns after it absorb errors.
+    torch.manual_seed(1)
+    weight = torch.randn(64, 128, dtype=torch.bfloat16)
+    x = torch.randn(2048, 16) @ torch.randn(16, 128) + 0.1 * torch.randn(2048, 128)
+    x[:, 77] *= 10
+    gptq = dequantize(gptq_quantize(weight, x.t() @ x, 32, sym), torch.float32)
+    rtn = dequantize(quantize(weight, 32, sym), torch.float32)
+    assert torch.equal(gptq[:, 77], rtn[:, 77])
+    assert not torch.equal(gptq, rtn)
+
+
 @torch.no_grad()
 def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
     torch.manual_seed(0)

@@ -27,10 +27,19 @@ def gptq_quantize(
     damp: float = 0.01,
     block: int = 128,
 ) -> Int4Weight:
-    """A [out, in] weight quantized against `hessian` [in, in]. A group's
-    scale and zero are taken when its first column is reached, from the
-    weights as updated by then; `damp` (a share of the mean diagonal) keeps
-    the Hessian invertible."""
+    """A [out, in] weight quantized against `hessian` [in, in].
+
+    Columns are rounded in order of decreasing Hessian diagonal ("act-order":
+    the inputs with the most energy first, while the most columns remain to
+    absorb their error), each on its group's grid; the groups' scales and
+    zeros are fixed beforehand from the weight as given ("static groups"),
+    so the stored layout stays the spec's plain one, without a permutation.
+    On the default model (float32 reference perplexity, same Hessians) this
+    cut group 64 from +9.4 % to +5.8 % (asymmetric) and from +12.0 % to
+    +9.5 % (symmetric) against natural order with grids taken as reached;
+    group 32 asymmetric moved from +4.4 % to +4.7 %. `damp` (a share of the
+    mean diagonal) keeps the Hessian invertible.
+    """
     out_features, in_features = weight.shape
     check_shape("weight", in_features, out_features, group_size, sym)
     w = weight.float().clone()
@@ -38,26 +47,26 @@ def gptq_quantize(
     dead = torch.diag(h) == 0  # inputs never seen: their weights do not matter
     h[dead, dead] = 1
     w[:, dead] = 0
+    groups = in_features // group_size
+    scales, zeros = group_params(
+        w.t().reshape(groups, group_size, out_features), sym, weight.dtype
+    )
+    order = torch.argsort(torch.diag(h), descending=True, stable=True)
+    w, h = w[:, order], h[order][:, order]
     h += damp * torch.diag(h).mean() * torch.eye(in_features)
     h_inv = torch.linalg.cholesky(
         torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True
     )
-    groups = in_features // group_size
     q = torch.empty(out_features, in_features)
-    scales = torch.empty(groups, out_features, dtype=weight.dtype)
-    zeros = torch.empty(groups, out_features)
     for start in range(0, in_features, block):
         end = min(start + block, in_features)
         errors = torch.empty(out_features, end - start)
         for col in range(start, end):
-            g = col // group_size
-            if col % group_size == 0:
-                scales[g], zeros[g] = group_params(
-                    w[:, col : col + group_size].t(), sym, weight.dtype
-                )
+            source = int(order[col])
+            g = source // group_size
             column = w[:, col]
-            q[:, col] = round_to_grid(column, scales[g], zeros[g])
-            rounded = (q[:, col] - zeros[g]) * scales[g].float()
+            q[:, source] = round_to_grid(column, scales[g], zeros[g])
+            rounded = (q[:, source] - zeros[g]) * scales[g].float()
             error = (column - rounded) / h_inv[col, col]
             w[:, col:end] -= error.unsqueeze(1) * h_inv[col, col:end].unsqueeze(0)
             errors[:, col - start] = error
