@@ -28,8 +28,9 @@ M_MMAP_MAX = -4
 
 def keep_freed_memory() -> bool:
     """Make glibc's malloc reuse freed blocks instead of returning them to
-    the kernel; True if it now does. Left alone with `VLLM_O3_CPU_KEEP_FREED_MEMORY=0`,
-    under another allocator (tcmalloc, jemalloc) or without glibc."""
+    the kernel; True if it now does. Left alone with
+    `VLLM_O3_CPU_KEEP_FREED_MEMORY=0`, under another allocator (tcmalloc,
+    jemalloc) or without glibc."""
     if os.environ.get(OPT_OUT, "1") == "0":
         return False
     preload = os.environ.get("LD_PRELOAD", "")
