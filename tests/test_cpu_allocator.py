@@ -6,12 +6,15 @@ Each case runs in its own interpreter: malloc settings are per process.
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="glibc malloc settings")
+pytestmark = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="glibc malloc settings"
+)
 
 # Page faults while 64 MiB float32 tensors are allocated, written and freed
 # six times, after two such rounds; prints keep_freed_memory()'s answer first.
@@ -47,12 +50,13 @@ def probe(tune: bool, **env: str) -> tuple[str, int]:
 def test_freed_block_is_reused():
     answer, faults = probe(tune=True)
     assert answer == "True"
-    # At most one block's pages are new: glibc's aligned allocation may need
-    # one more chunk before the freed ones coalesce into a fit.
-    assert faults < 1.1 * BLOCK_PAGES
-    # Without it, glibc maps each block afresh: every page faults again.
+    # Without it, glibc maps each of the six blocks afresh and every page
+    # faults again; with it, at most one block's pages are new (glibc's
+    # aligned allocation may need one more chunk before the freed ones
+    # coalesce into a fit). Relative, so huge pages do not change the test.
     _, untuned_faults = probe(tune=False)
-    assert untuned_faults > 5 * BLOCK_PAGES
+    assert untuned_faults >= 6 * BLOCK_PAGES // 512  # 2 MiB pages at most
+    assert faults * 3 < untuned_faults
 
 
 def test_opt_out_and_other_allocators_left_alone():
