@@ -8,7 +8,7 @@ VENV=${VENV:-.venv}
 EXTRAS=${EXTRAS:-test}
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check)
+PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -c packaging/constraints.txt)
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     "${PIP[@]}" -e ".[cuda,$EXTRAS]"
