@@ -1,9 +1,9 @@
 """`vllm-o3 quantize`: a 16-bit O3 checkpoint to `o3_int4` (O3_SPEC section 4).
 
 Round-to-nearest per group (the default: no calibration text needed), or
-GPTQ against the Hessians of the FFN inputs over calibration text (measured
-on the default model: group 64 symmetric +9.8 % perplexity instead of
-+29.4 %, docs/bench_int4_quality.md). Every other tensor is copied
+GPTQ against the Hessians of the FFN inputs over calibration text (on the
+default model it leaves a third to a half of round-to-nearest's perplexity
+increase, docs/bench_int4_quality.md). Every other tensor is copied
 unchanged, as are the tokenizer and generation files.
 """
 
