@@ -330,11 +330,18 @@ class O3ForCausalLM(LlamaForCausalLM):
             # Before any weight is read: a truncated file or a missing or
             # misshapen tensor is refused naming it, not half-loaded.
             check_checkpoint_folder(folder)
-        if current_platform.is_cpu():
-            keep_freed_memory()
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
         )
+        # Set at the first forward, once loading and online quantization
+        # have freed their temporaries: kept, they would stay resident.
+        self.keep_freed_memory_pending = current_platform.is_cpu()
+
+    def forward(self, *args, **kwargs):
+        if self.keep_freed_memory_pending:
+            self.keep_freed_memory_pending = False
+            keep_freed_memory()
+        return super().forward(*args, **kwargs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         expected = expected_tensor_shapes(self.config)
