@@ -333,15 +333,13 @@ class O3ForCausalLM(LlamaForCausalLM):
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
         )
-        # Set at the first forward, once loading and online quantization
-        # have freed their temporaries: kept, they would stay resident.
-        self.keep_freed_memory_pending = current_platform.is_cpu()
 
-    def forward(self, *args, **kwargs):
-        if self.keep_freed_memory_pending:
-            self.keep_freed_memory_pending = False
+    def process_weights_after_loading(self) -> None:
+        """vLLM's model-level hook, after every layer's quantization: only
+        now may freed memory be kept, or loading's and online quantization's
+        temporaries would stay resident."""
+        if current_platform.is_cpu():
             keep_freed_memory()
-        return super().forward(*args, **kwargs)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         expected = expected_tensor_shapes(self.config)
