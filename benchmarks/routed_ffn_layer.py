@@ -1,9 +1,9 @@
 """One routed layer's FFN against the dense FFN, at heavy fractions 0-100 %.
 
 Builds vLLM's own layers (LlamaMLP, O3's router and light path) with their CPU
-weight packing, exactly as the engine runs them, and times the routed FFN op
-body (router + compaction + both paths) against the dense FFN on the same
-input, side by side, medians of repeats. At T = 1 a token is either heavy or
+weight packing, and times the routed FFN op body (router + compaction + both
+paths) as the engine runs it on this CPU (`cpu_routed_ffn`) and in PyTorch,
+against the dense FFN on the same input, side by side, medians of repeats. At T = 1 a token is either heavy or
 light, so a fraction there is the mean over a sequence of single-token calls
 in which that share of tokens is heavy.
 
@@ -36,7 +36,7 @@ def build_layers(hidden: int, intermediate: int, light_rank: int, router_hidden:
 
     torch.manual_seed(0)
     mlp = LlamaMLP(hidden, intermediate, "silu", prefix="mlp")
-    light = O3LightPath(hidden, light_rank, prefix="light")
+    light = O3LightPath(hidden, light_rank)
     router = O3Router(hidden, router_hidden)
     for module in (mlp, light, router):
         for param in module.parameters():
@@ -72,10 +72,26 @@ def per_row_time(fn, rows: torch.Tensor, repeats: int) -> float:
 
 
 def bench_shape(name: str, repeats: int) -> list[str]:
+    from vllm_o3.kernels import cpu_routed_ffn
     from vllm_o3.kernels.routing import routed_ffn_torch
 
     mlp, light, router = build_layers(*SHAPES[name])
     hidden = SHAPES[name][0]
+    reason = cpu_routed_ffn.unavailable_reason(torch.bfloat16, hidden)
+    if reason is not None:
+        raise SystemExit(f"the CPU routed FFN kernel cannot run here: {reason}")
+    packed = cpu_routed_ffn.pack_routed_weights(
+        router.fc1.weight,
+        router.fc1.bias,
+        router.fc2.weight,
+        router.fc2.bias,
+        light.down.weight,
+        light.up.weight,
+    )
+    variants = {
+        "kernel": lambda u, t: cpu_routed_ffn.routed_ffn_cpu(u, packed, t, mlp),
+        "pytorch": lambda u, t: routed_ffn_torch(u, router(u), t, mlp, light),
+    }
     rows = []
     progress = tqdm(total=len(TOKENS) * len(FRACTIONS), desc=name)
     for T in TOKENS:
@@ -88,25 +104,24 @@ def bench_shape(name: str, repeats: int) -> list[str]:
             scores = router(u)
             dense = median_time(lambda u=u: mlp(u), repeats)
         for fraction in FRACTIONS:
-            if T == 1:
-                threshold = threshold_for(scores_all, round(fraction * len(u_all)))
-                routed = per_row_time(
-                    lambda row, t=threshold: routed_ffn_torch(
-                        row, router(row), t, mlp, light
-                    ),
-                    u_all,
-                    repeats,
-                )
-            else:
-                threshold = threshold_for(scores, round(fraction * T))
-
-                def run(u=u, threshold=threshold):
-                    routed_ffn_torch(u, router(u), threshold, mlp, light)
-
-                routed = median_time(run, repeats)
+            times = {}
+            for variant, routed in variants.items():
+                if T == 1:
+                    threshold = threshold_for(scores_all, round(fraction * len(u_all)))
+                    times[variant] = per_row_time(
+                        lambda row, t=threshold, routed=routed: routed(row, t),
+                        u_all,
+                        repeats,
+                    )
+                else:
+                    threshold = threshold_for(scores, round(fraction * T))
+                    times[variant] = median_time(
+                        lambda u=u, t=threshold, routed=routed: routed(u, t), repeats
+                    )
             rows.append(
-                f"| {name} | {T} | {fraction:.0%} | {routed * 1e3:.3f} | "
-                f"{dense * 1e3:.3f} | {routed / dense:.2f} |"
+                f"| {name} | {T} | {fraction:.0%} | {times['kernel'] * 1e3:.3f} | "
+                f"{times['pytorch'] * 1e3:.3f} | {dense * 1e3:.3f} | "
+                f"{times['kernel'] / dense:.2f} |"
             )
             progress.update()
     progress.close()
@@ -123,8 +138,9 @@ def main() -> None:
         rows = [row for name in args.shapes for row in bench_shape(name, args.repeats)]
     table = "\n".join(
         [
-            "| shape | T | heavy | routed FFN ms | dense FFN ms | routed / dense |",
-            "|---|---|---|---|---|---|",
+            "| shape | T | heavy | routed FFN ms | routed in PyTorch ms | "
+            "dense FFN ms | routed / dense |",
+            "|---|---|---|---|---|---|---|",
             *rows,
         ]
     )
@@ -136,7 +152,9 @@ def main() -> None:
     body = (
         f"bf16, vLLM 0.32 CPU layers with their oneDNN packing. Shapes: {shapes}. "
         "Routed = router + compaction + full FFN on heavy rows + light path on "
-        "the rest; medians of repeats (T = 1: mean per call over 200 "
+        "the rest: as the engine runs it on this CPU (router and light path in "
+        "one C++ call, `cpu_routed_ffn`), and in PyTorch (`routed_ffn_torch`, "
+        "what runs where the C++ kernel cannot); medians of repeats (T = 1: mean per call over 200 "
         "single-token calls with that share heavy, the dense FFN timed the same "
         "way).\n\n" + table
     )

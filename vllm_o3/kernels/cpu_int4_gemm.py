@@ -1,25 +1,18 @@
-"""The AVX512-BF16 INT4 GEMM of `csrc/int4_gemm_cpu.cpp`: built on first use
-(torch's C++ extension builder, cached under ~/.cache/torch_extensions, about
-10 s once) and its weight layout.
+"""The AVX512-BF16 INT4 GEMM of `csrc/int4_gemm_cpu.cpp` and its weight layout.
 
-It is the CPU kernel of `Int4Linear` wherever it can run: an x86 CPU with
-AVX512-BF16 (Intel Cooper Lake / Sapphire Rapids on, AMD Zen 4 on), bfloat16
-activations, and a C++ compiler (which vLLM's compiled mode on CPU needs
-anyway). Elsewhere `unavailable_reason` says why, and the caller logs it.
+It is the CPU kernel of `Int4Linear` wherever the CPU kernels run
+(`cpu_kernels`) and activations are bfloat16.
 """
 
 from __future__ import annotations
 
 import functools
-import platform
-import re
-from pathlib import Path
 
 import torch
 
+from vllm_o3.kernels import cpu_kernels
 from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO
 
-SOURCE = Path(__file__).parent / "csrc" / "int4_gemm_cpu.cpp"
 # Output channels per VDPBF16PS, times the blocks one tile of the kernel runs
 # (kBlock * kBlocksPerTile in the source): outputs are padded to it.
 OUTPUT_TILE = 64
@@ -29,32 +22,14 @@ INPUT_STEP = 8
 
 @functools.cache
 def unavailable_reason() -> str | None:
-    """None when the kernel is built and this CPU runs it, else why not."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return f"it is x86 code and this CPU is {platform.machine()}"
-    try:
-        from torch.utils.cpp_extension import load
-
-        load(
-            # One build per torch version: a build against another one's
-            # headers would not load.
-            name="vllm_o3_int4_gemm_cpu_torch_" + re.sub(r"\W", "_", torch.__version__),
-            sources=[str(SOURCE)],
-            extra_cflags=["-O3", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-        )
-    except Exception as e:  # a missing compiler or ninja, a failed build
-        return f"building {SOURCE.name} failed: {e}"
-    if not torch.ops.o3_cpu.int4_gemm_supported():
-        return "this CPU has no AVX512-BF16"
-
-    @torch.library.register_fake("o3_cpu::int4_gemm")
-    def _(x, weight, scales, offsets, n_out):
+    """None when `torch.ops.o3_cpu.int4_gemm` runs here, else why not."""
+    reason = cpu_kernels.unavailable_reason()
+    if reason is None:
         # What torch.compile traces: the operation stays opaque in the graph.
-        return x.new_empty(x.shape[0], n_out)
-
-    return None
+        torch.library.register_fake("o3_cpu::int4_gemm")(
+            lambda x, weight, scales, offsets, n_out: x.new_empty(x.shape[0], n_out)
+        )
+    return reason
 
 
 def pack_for_gemm(

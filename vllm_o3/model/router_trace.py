@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 
-def _routed_layers(model: nn.Module):
+def routed_layers(model: nn.Module):
+    """(layer index, layer) of every routed layer of an O3 model."""
     for index, layer in enumerate(model.model.layers):
         if getattr(layer, "is_routed", False):
             yield index, layer
@@ -28,14 +29,14 @@ def _routed_layers(model: nn.Module):
 
 def start_router_trace(model: nn.Module) -> None:
     """Begin recording every routed layer's router scores."""
-    for _, layer in _routed_layers(model):
+    for _, layer in routed_layers(model):
         layer.recorded_scores = []
 
 
 def take_router_trace(model: nn.Module) -> dict[int, torch.Tensor]:
     """The scores recorded since the last call, per routed layer index."""
     trace = {}
-    for index, layer in _routed_layers(model):
+    for index, layer in routed_layers(model):
         recorded = layer.recorded_scores or []
         trace[index] = torch.cat(recorded) if recorded else torch.empty(0)
         layer.recorded_scores = [] if layer.recorded_scores is not None else None
@@ -44,7 +45,7 @@ def take_router_trace(model: nn.Module) -> dict[int, torch.Tensor]:
 
 def stop_router_trace(model: nn.Module) -> None:
     """Stop recording (recording copies scores to the CPU on every call)."""
-    for _, layer in _routed_layers(model):
+    for _, layer in routed_layers(model):
         layer.recorded_scores = None
 
 
@@ -52,5 +53,5 @@ def router_counts(model: nn.Module) -> dict[int, tuple[int, int]]:
     """(heavy tokens, all tokens) each routed layer has seen since start-up."""
     return {
         index: tuple(layer.route_counts.tolist())
-        for index, layer in _routed_layers(model)
+        for index, layer in routed_layers(model)
     }

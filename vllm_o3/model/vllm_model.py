@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (
@@ -23,7 +24,6 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
-    ReplicatedLinear,
     UnquantizedLinearMethod,
 )
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
@@ -39,6 +39,8 @@ from vllm.model_executor.models.utils import (
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
+from vllm_o3.kernels import cpu_routed_ffn
+from vllm_o3.kernels.cpu_routed_ffn import CpuRoutedWeights, routed_ffn_cpu
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
 from vllm_o3.kernels.routing import (
     HEAVY,
@@ -57,6 +59,7 @@ from vllm_o3.model.checkpoint import (
 from vllm_o3.model.config import O3Config
 from vllm_o3.model.cpu_allocator import keep_freed_memory
 from vllm_o3.model.router_metrics import ROUTER_COUNTS
+from vllm_o3.model.router_trace import routed_layers
 
 logger = init_logger(__name__)
 
@@ -71,21 +74,25 @@ STACKED_PARAMS = [
 ]
 
 
-class Float32Linear(nn.Module):
-    """Replicated float32 weights for the router (plain torch parameters, so
-    the CPU path computes exactly what the reference's float32 router does)."""
+class ReplicatedWeights(nn.Module):
+    """A linear's weights as plain parameters, whole on every rank: the router
+    and the light path are small, and their CPU kernel reads them into its
+    own layout (vLLM's CPU linears hand theirs to oneDNN and drop them)."""
 
-    def __init__(self, in_features: int, out_features: int):
+    def __init__(
+        self, in_features: int, out_features: int, dtype: torch.dtype, bias: bool
+    ):
         super().__init__()
         self.weight = nn.Parameter(
-            torch.empty(out_features, in_features, dtype=torch.float32),
-            requires_grad=False,
+            torch.empty(out_features, in_features, dtype=dtype), requires_grad=False
         )
-        self.bias = nn.Parameter(
-            torch.empty(out_features, dtype=torch.float32), requires_grad=False
-        )
-        for param in (self.weight, self.bias):
-            param.weight_loader = default_weight_loader  # copies with dtype cast
+        self.weight.weight_loader = default_weight_loader  # copies with dtype cast
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=dtype), requires_grad=False
+            )
+            self.bias.weight_loader = default_weight_loader
 
 
 class O3Router(nn.Module):
@@ -94,8 +101,11 @@ class O3Router(nn.Module):
 
     def __init__(self, hidden_size: int, router_hidden_size: int):
         super().__init__()
-        self.fc1 = Float32Linear(hidden_size, router_hidden_size)
-        self.fc2 = Float32Linear(router_hidden_size, 1)
+        # Float32, so the CPU path computes exactly what the reference does.
+        self.fc1 = ReplicatedWeights(
+            hidden_size, router_hidden_size, torch.float32, bias=True
+        )
+        self.fc2 = ReplicatedWeights(router_hidden_size, 1, torch.float32, bias=True)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
         return router_scores_torch(
@@ -110,19 +120,14 @@ class O3LightPath(nn.Module):
     holds the whole light output without a collective.
     """
 
-    def __init__(self, hidden_size: int, light_rank: int, prefix: str = ""):
+    def __init__(self, hidden_size: int, light_rank: int):
         super().__init__()
-        self.down = ReplicatedLinear(
-            hidden_size, light_rank, bias=False, prefix=f"{prefix}.down"
-        )
-        self.up = ReplicatedLinear(
-            light_rank, hidden_size, bias=False, prefix=f"{prefix}.up"
-        )
+        dtype = torch.get_default_dtype()  # the model's, while vLLM builds it
+        self.down = ReplicatedWeights(hidden_size, light_rank, dtype, bias=False)
+        self.up = ReplicatedWeights(light_rank, hidden_size, dtype, bias=False)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        x, _ = self.down(u)
-        x, _ = self.up(x)
-        return x
+        return F.linear(F.linear(u, self.down.weight), self.up.weight)
 
 
 class O3Attention(LlamaAttention):
@@ -168,9 +173,7 @@ class O3DecoderLayer(LlamaDecoderLayer):
         if not self.is_routed:
             return
         self.router = O3Router(config.hidden_size, config.router_hidden_size)
-        self.light = O3LightPath(
-            config.hidden_size, config.light_rank, prefix=f"{prefix}.light"
-        )
+        self.light = O3LightPath(config.hidden_size, config.light_rank)
         self.router_threshold = float(config.router_threshold)
         self.tp_size = get_tensor_model_parallel_world_size()
         self.dense_ffn = all(
@@ -184,6 +187,8 @@ class O3DecoderLayer(LlamaDecoderLayer):
                 "no FFN compute saved); the 16-bit FFN takes the routed kernels."
             )
         self.kernel_weights: RoutedFFNWeights | None = None
+        # Set by prepare_cpu_kernel where the C++ path takes this layer.
+        self.cpu_weights: CpuRoutedWeights | None = None
         # Set to a list to record every call's router scores (router_trace).
         self.recorded_scores: list[torch.Tensor] | None = None
         # [heavy rows, real rows] so far, on the layer's device (router_metrics).
@@ -207,7 +212,8 @@ class O3DecoderLayer(LlamaDecoderLayer):
         The decision depends on each token alone, so every tensor-parallel rank
         (same replicated router, same input) takes the same split. On CUDA the
         Triton path runs without a host sync (CUDA graphs capture it); on the
-        CPU the PyTorch path computes each path on its own rows only.
+        CPU the C++ router and light path (`cpu_routed_ffn`, or PyTorch where
+        it cannot run) compute each path on its own rows only.
         """
         context = get_forward_context()
         # Profiling and warm-up runs carry no attention metadata and no real
@@ -227,6 +233,14 @@ class O3DecoderLayer(LlamaDecoderLayer):
                 y, scores, bounds = self._routed_ffn_every_row(u, padding)
             if counting:
                 self.route_counts += bounds
+        elif self.cpu_weights is not None:
+            y, scores, _ = routed_ffn_cpu(
+                u,
+                self.cpu_weights,
+                self.router_threshold,
+                self.mlp,
+                self.route_counts if counting else None,
+            )
         else:
             scores = self.router(u)
             y, num_heavy = routed_ffn_torch(
@@ -251,6 +265,29 @@ class O3DecoderLayer(LlamaDecoderLayer):
         y = torch.where(heavy, self.mlp(u), self.light(u))
         bounds = torch.stack([(route == HEAVY).sum(), (route != PADDING).sum()])
         return y, scores, bounds
+
+    def prepare_cpu_kernel(self) -> None:
+        """Hands the router and light path to the C++ CPU kernel, once weights
+        are final; where it cannot take them, PyTorch runs them (logged)."""
+        reason = cpu_routed_ffn.unavailable_reason(
+            self.light.down.weight.dtype, self.light.down.weight.shape[1]
+        )
+        if reason is not None:
+            logger.warning_once(
+                "O3 routed FFN on CPU: the C++ router and light path are not "
+                "used (%s); PyTorch runs them, slower at decode sizes "
+                "(docs/bench_routed_ffn_layer.md)",
+                reason,
+            )
+            return
+        self.cpu_weights = cpu_routed_ffn.pack_routed_weights(
+            self.router.fc1.weight,
+            self.router.fc1.bias,
+            self.router.fc2.weight,
+            self.router.fc2.bias,
+            self.light.down.weight,
+            self.light.up.weight,
+        )
 
     def _kernel_weights(self) -> RoutedFFNWeights:
         """The tensors the Triton path reads, taken once weights are final."""
@@ -335,10 +372,13 @@ class O3ForCausalLM(LlamaForCausalLM):
         )
 
     def process_weights_after_loading(self) -> None:
-        """vLLM's model-level hook, after every layer's quantization: only
-        now may freed memory be kept, or loading's and online quantization's
+        """vLLM's model-level hook, after every layer's quantization: weights
+        are final, so the CPU routed FFN kernel takes its copy; and only now
+        may freed memory be kept, or loading's and online quantization's
         temporaries would stay resident."""
         if current_platform.is_cpu():
+            for _, layer in routed_layers(self):
+                layer.prepare_cpu_kernel()
             keep_freed_memory()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

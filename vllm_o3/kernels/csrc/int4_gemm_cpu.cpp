@@ -191,18 +191,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
-bool int4_gemm_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") &&
-         __builtin_cpu_supports("avx512bf16");
-}
-
 }  // namespace
 
-TORCH_LIBRARY(o3_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(o3_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int n_out) -> Tensor");
-  m.def("int4_gemm_supported() -> bool");
   m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm));
-  m.impl("int4_gemm_supported", c10::DispatchKey::CatchAll, TORCH_FN(int4_gemm_supported));
 }

@@ -1,0 +1,199 @@
+"""The CPU routed FFN's C++ router and light path against their plain PyTorch
+definition (`routing.router_scores_torch`, the light path as two bfloat16
+linears, `routing.routed_ffn_torch`), on random odd shapes and heavy
+fractions 0, partial and 1; and a bfloat16 engine that runs it, against the
+same engine on the PyTorch path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.utils import PROMPTS, check_logprobs_close, vllm_engine, vllm_generations
+from vllm_o3.kernels import cpu_routed_ffn
+from vllm_o3.kernels.routing import routed_ffn_torch, router_scores_torch
+from vllm_o3.model.router_trace import routed_layers, router_counts
+
+SHAPES = [  # (T, H, light_rank, router_hidden)
+    (1, 64, 8, 16),
+    (7, 96, 13, 24),
+    (33, 128, 16, 64),
+    (70, 80, 10, 100),
+    (5, 576, 72, 64),
+]
+
+
+def test_the_kernel_runs_where_the_cpu_has_avx512_bf16():
+    # Not a silent fallback: on a CPU with AVX512-BF16 the kernel must build.
+    reason = cpu_routed_ffn.unavailable_reason(torch.bfloat16, 576)
+    if "avx512_bf16" in Path("/proc/cpuinfo").read_text().split():
+        assert reason is None
+    else:
+        assert "AVX512-BF16" in reason
+
+
+def test_it_says_why_it_does_not_take_a_layer():
+    assert "float32" in cpu_routed_ffn.unavailable_reason(torch.float32, 576)
+    assert "not a multiple of 16" in cpu_routed_ffn.unavailable_reason(
+        torch.bfloat16, 100
+    )
+
+
+needs_kernel = pytest.mark.skipif(
+    cpu_routed_ffn.unavailable_reason(torch.bfloat16, 64) is not None,
+    reason=str(cpu_routed_ffn.unavailable_reason(torch.bfloat16, 64)),
+)
+
+
+class Layer:
+    def __init__(self, H: int, r: int, R: int, seed: int = 0):
+        g = torch.Generator().manual_seed(seed)
+
+        def randn(*shape, scale=1.0):
+            return torch.randn(*shape, generator=g) * scale / shape[-1] ** 0.5
+
+        self.fc1_weight = randn(R, H, scale=2.0)
+        self.fc1_bias = randn(R)
+        self.fc2_weight = randn(1, R, scale=4.0)
+        self.fc2_bias = randn(1)
+        self.light_down = randn(r, H).bfloat16()
+        self.light_up = randn(H, r).bfloat16()
+        self.gate = randn(2 * H, H).bfloat16()
+
+    def router(self, u: torch.Tensor) -> torch.Tensor:
+        return router_scores_torch(
+            u, self.fc1_weight, self.fc1_bias, self.fc2_weight, self.fc2_bias
+        )
+
+    def light(self, u: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.linear(u, self.light_down), self.light_up)
+
+    def heavy(self, u: torch.Tensor) -> torch.Tensor:
+        return F.linear(u, self.gate)[:, : u.shape[1]]
+
+    def packed(self) -> cpu_routed_ffn.CpuRoutedWeights:
+        return cpu_routed_ffn.pack_routed_weights(
+            self.fc1_weight,
+            self.fc1_bias,
+            self.fc2_weight,
+            self.fc2_bias,
+            self.light_down,
+            self.light_up,
+        )
+
+
+def threshold_between(scores: torch.Tensor, fraction: float) -> float:
+    """Midway between two scores, so that last-bit differences between the
+    kernel's float32 sums and the library's cannot flip a row."""
+    ranked = scores.sort(descending=True).values.tolist()
+    heavy = round(fraction * len(ranked))
+    if heavy == 0:
+        return ranked[0] + 1e-3
+    if heavy == len(ranked):
+        return ranked[-1] - 1e-3
+    return (ranked[heavy - 1] + ranked[heavy]) / 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize(("T", "H", "r", "R"), SHAPES)
+def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
+    layer = Layer(H, r, R, seed=T)
+    u = torch.randn(T, H).bfloat16()
+    want_scores = layer.router(u)
+    threshold = threshold_between(want_scores, fraction)
+    want, want_heavy = routed_ffn_torch(
+        u, want_scores, threshold, layer.heavy, layer.light
+    )
+    counts = torch.tensor([3, 5])
+    got, scores, num_heavy = cpu_routed_ffn.routed_ffn_cpu(
+        u, layer.packed(), threshold, layer.heavy, counts
+    )
+    torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
+    assert num_heavy == want_heavy == round(fraction * T)
+    assert counts.tolist() == [3 + num_heavy, 5 + T]
+    # Same bfloat16 roundings (inputs, the rank-r intermediate, the output);
+    # only the float32 summation order differs.
+    torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+def test_without_counts_nothing_is_counted_and_all_light_rows_are_written():
+    layer = Layer(64, 8, 16)
+    u = torch.randn(9, 64).bfloat16()
+    y, _, num_heavy = cpu_routed_ffn.routed_ffn_cpu(u, layer.packed(), 2.0, layer.heavy)
+    assert num_heavy == 0
+    torch.testing.assert_close(y, layer.light(u), rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+def test_a_bad_weight_is_refused_by_name():
+    layer = Layer(64, 8, 16)
+    packed = layer.packed()
+    packed.up = cpu_routed_ffn.pack_pairs(torch.zeros(32, 8).bfloat16()).view(
+        torch.int16
+    )
+    with pytest.raises(RuntimeError, match="routed_light: up holds"):
+        cpu_routed_ffn.routed_ffn_cpu(
+            torch.randn(2, 64).bfloat16(), packed, 0.5, layer.heavy
+        )
+
+
+def kernel_layers(model) -> list[bool]:
+    """Runs in the worker: which routed layers the C++ kernel runs."""
+    return [layer.cpu_weights is not None for _, layer in routed_layers(model)]
+
+
+def drop_kernel(model) -> None:
+    """Runs in the worker: sends every routed layer to the PyTorch path."""
+    for _, layer in routed_layers(model):
+        layer.cpu_weights = None
+
+
+@pytest.fixture(scope="module")
+def bfloat16_runs(tiny_checkpoint):
+    """One bfloat16 engine generating with the kernel, then with the PyTorch
+    path: (layers the kernel ran, generations, router counts of the run)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    runs = {}
+    with vllm_engine(
+        tiny_checkpoint,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,  # both runs compute every prompt token
+    ) as llm:
+        for path in ("kernel", "pytorch"):
+            if path == "pytorch":
+                llm.apply_model(drop_kernel)
+            before = llm.apply_model(router_counts)[0]
+            generations = vllm_generations(
+                llm.generate(PROMPTS, greedy, use_tqdm=False)
+            )
+            after = llm.apply_model(router_counts)[0]
+            counts = {
+                index: (after[index][0] - heavy, after[index][1] - real)
+                for index, (heavy, real) in before.items()
+            }
+            runs[path] = (llm.apply_model(kernel_layers)[0], generations, counts)
+    return runs
+
+
+@needs_kernel
+def test_a_bfloat16_engine_runs_the_kernel_and_generates_as_pytorch_does(
+    bfloat16_runs,
+):
+    kernel_used, kernel, kernel_counts = bfloat16_runs["kernel"]
+    pytorch_used, pytorch, pytorch_counts = bfloat16_runs["pytorch"]
+    assert kernel_used and all(kernel_used) and not any(pytorch_used)
+    check_logprobs_close(pytorch, kernel, "pytorch", "kernel")
+    assert kernel_counts.keys() == pytorch_counts.keys()
+    for index, (heavy, real) in kernel_counts.items():
+        # Same tokens computed; once greedy paths part, the heavy share may too.
+        assert real == pytorch_counts[index][1] > 0
+        assert 0 < heavy < real
+        assert abs(heavy - pytorch_counts[index][0]) <= 0.1 * real

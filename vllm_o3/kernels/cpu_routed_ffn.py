@@ -1,0 +1,132 @@
+"""The routed FFN on CPUs: router, partition and light path of a whole batch
+in one C++ call (`csrc/routed_light_cpu.cpp`), the full FFN on the heavy rows
+only.
+
+In PyTorch (`routing.routed_ffn_torch`, which defines it and runs where the
+C++ kernels cannot) the router and light path are a dozen operations per
+layer, whose dispatch alone made a light token cost a third of a heavy one
+on a small model at decode sizes (docs/bench_routed_ffn_layer.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vllm_o3.kernels import cpu_kernels
+
+LANES = 16  # float32 lanes of AVX-512: output channels per block
+ROUTER_CHUNK = 64  # router hidden units per pass of the kernel
+
+
+class CpuRoutedWeights(nn.Module):
+    """One routed layer's router and light path in the kernel's layouts, as
+    buffers: a layer holding them counts them among its weights."""
+
+    def __init__(
+        self,
+        w1t: torch.Tensor,
+        b1: torch.Tensor,
+        w2: torch.Tensor,
+        b2: torch.Tensor,
+        down: torch.Tensor,
+        up: torch.Tensor,
+        rank: int,
+    ):
+        super().__init__()
+        self.register_buffer("w1t", w1t, persistent=False)  # [H, R'] fc1^T
+        self.register_buffer("b1", b1, persistent=False)  # [R']
+        self.register_buffer("w2", w2, persistent=False)  # [R']
+        self.register_buffer("b2", b2, persistent=False)  # [1]
+        self.register_buffer("down", down, persistent=False)  # pair layout
+        self.register_buffer("up", up, persistent=False)  # pair layout
+        self.rank = rank
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] 16-bit weight -> int16 [N' / 16, K' / 2, 32]: blocks of 16
+    output channels, input channels in pairs, channel c of a block at 2c and
+    2c + 1 (N' = N padded to 16, K' = K padded to even, with zeros)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // LANES) * LANES, k + k % 2, dtype=weight.dtype)
+    padded[:n, :k] = weight
+    blocks = padded.view(padded.shape[0] // LANES, LANES, padded.shape[1] // 2, 2)
+    return blocks.permute(0, 2, 1, 3).reshape(blocks.shape[0], -1, 2 * LANES)
+
+
+def pack_routed_weights(
+    fc1_weight: torch.Tensor,
+    fc1_bias: torch.Tensor,
+    fc2_weight: torch.Tensor,
+    fc2_bias: torch.Tensor,
+    light_down: torch.Tensor,
+    light_up: torch.Tensor,
+) -> CpuRoutedWeights:
+    """The kernel's copy of a layer's router (float32, R padded to
+    ROUTER_CHUNK units with zero weights, which add nothing) and light path
+    (bfloat16). A copy: the plain weights stay for the PyTorch path."""
+    r = fc1_weight.shape[0]
+    r_pad = -(-r // ROUTER_CHUNK) * ROUTER_CHUNK
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return F.pad(t.float().reshape(-1, r), (0, r_pad - r)).squeeze(0).contiguous()
+
+    return CpuRoutedWeights(
+        w1t=padded(fc1_weight.t()),
+        b1=padded(fc1_bias),
+        w2=padded(fc2_weight),
+        b2=fc2_bias.float().reshape(1).contiguous(),
+        down=pack_pairs(light_down.to(torch.bfloat16)).view(torch.int16).contiguous(),
+        up=pack_pairs(light_up.to(torch.bfloat16)).view(torch.int16).contiguous(),
+        rank=light_down.shape[0],
+    )
+
+
+@functools.cache
+def _kernels_reason() -> str | None:
+    reason = cpu_kernels.unavailable_reason()
+    if reason is None:
+        # What torch.compile would trace; the routed FFN op that calls this
+        # is opaque to it anyway.
+        torch.library.register_fake("o3_cpu::routed_light")(
+            lambda u, w1t, b1, w2, b2, down, up, rank, threshold, counts: (
+                torch.empty_like(u),
+                u.new_empty(u.shape[0], dtype=torch.float32),
+                u.new_empty(0, dtype=torch.int64),
+            )
+        )
+    return reason
+
+
+def unavailable_reason(dtype: torch.dtype, hidden_size: int) -> str | None:
+    """None when the kernel runs this layer, else why not."""
+    if dtype != torch.bfloat16:
+        return f"activations are {dtype}, it takes bfloat16"
+    if hidden_size % LANES:
+        return f"hidden size {hidden_size} is not a multiple of {LANES}"
+    return _kernels_reason()
+
+
+def routed_ffn_cpu(
+    u: torch.Tensor,
+    weights: CpuRoutedWeights,
+    threshold: float,
+    heavy_ffn: Callable[[torch.Tensor], torch.Tensor],
+    counts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(output, float32 router scores, number of heavy rows) for `u` [T, H];
+    `counts` ([heavy, real] rows, int64), if given, gains this batch's."""
+    y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
+        u, weights.w1t, weights.b1, weights.w2, weights.b2,
+        weights.down, weights.up, weights.rank, threshold, counts,
+    )  # fmt: skip
+    num_heavy = heavy_rows.shape[0]
+    if num_heavy == u.shape[0]:
+        return heavy_ffn(u), scores, num_heavy
+    if num_heavy:
+        y.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
+    return y, scores, num_heavy

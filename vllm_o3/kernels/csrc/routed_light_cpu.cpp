@@ -1,0 +1,262 @@
+// The routed FFN's router and light path for a whole batch in one call, on
+// x86 CPUs with AVX512-BF16. In PyTorch they are a dozen small operations per
+// layer (an upcast, two float32 linears, silu, sigmoid, the threshold, the
+// partition, two bfloat16 linears), each with its own dispatch: at decode
+// sizes that overhead alone cost a third of a full FFN on a small model.
+//
+// Per row: the router score sigmoid(w2 . silu(W1 u + b1) + b2) in float32
+// (O3_SPEC section 1: upcast inputs, float32 weights), heavy when
+// score >= threshold. Light rows then get up(down(u)) in bfloat16, the
+// rank-r intermediate rounded to bfloat16 as a 16-bit linear's output is;
+// heavy rows are left for the caller's full FFN. `counts` (optional) gains
+// [heavy rows, rows]: the router statistics, without another operation.
+//
+// Light weights are in "pair" layout (`pack_pairs` in cpu_routed_light.py):
+// output channels in blocks of 16, input channels in pairs; each (block,
+// pair) is 32 bfloat16 values, channel c's pair at 2c and 2c + 1, i.e. one
+// operand of VDPBF16PS against a broadcast pair of inputs.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+
+namespace {
+
+constexpr int64_t kLanes = 16;       // float32 lanes; output channels per block
+constexpr int64_t kRouterChunk = 64;  // router hidden units per pass (4 registers)
+constexpr int kMaxRows = 4;           // rows sharing each weight load
+constexpr int kMaxBlocks = 4;         // output blocks sharing each broadcast
+// Below this many multiply-adds a thread's share is not worth waking threads.
+constexpr int64_t kMinWorkPerThread = 256 * 1024;
+
+#define O3_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+// exp(x) to about 2 ulp (Cephes' expf): x = n ln2 + r, |r| <= ln2 / 2.
+O3_AVX512_BF16 inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+O3_AVX512_BF16 inline __m512 silu_ps(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+// w1t: [hidden, r_pad] (W1 transposed, hidden units padded to kRouterChunk
+// with zero weights, biases and w2 entries, which add nothing).
+O3_AVX512_BF16 float router_score(const uint16_t* u, int64_t hidden,
+                                  const float* w1t, const float* b1,
+                                  const float* w2, float b2, int64_t r_pad) {
+  __m512 logit = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < r_pad; c0 += kRouterChunk) {
+    __m512 acc[kRouterChunk / kLanes];
+    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t k = 0; k < hidden; k += kLanes) {
+      alignas(64) float x[kLanes];
+      _mm512_store_ps(x, bf16x16_to_float(u + k));
+      for (int64_t kk = 0; kk < kLanes; ++kk) {
+        const __m512 xs = _mm512_set1_ps(x[kk]);
+        const float* w = w1t + (k + kk) * r_pad + c0;
+        for (int64_t b = 0; b < kRouterChunk / kLanes; ++b)
+          acc[b] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(w + b * kLanes), acc[b]);
+      }
+    }
+    for (int64_t b = 0; b < kRouterChunk / kLanes; ++b) {
+      const int64_t c = c0 + b * kLanes;
+      const __m512 h = silu_ps(_mm512_add_ps(acc[b], _mm512_loadu_ps(b1 + c)));
+      logit = _mm512_fmadd_ps(h, _mm512_loadu_ps(w2 + c), logit);
+    }
+  }
+  return 1.0f / (1.0f + std::exp(-(_mm512_reduce_add_ps(logit) + b2)));
+}
+
+// y[m] = x[m] @ W^T over output blocks [b0, b0 + BLOCKS) for ROWS rows given
+// by pointers (inputs as bfloat16 pairs), W in pair layout with `pairs` pairs.
+template <int ROWS, int BLOCKS>
+O3_AVX512_BF16 void pair_gemm_tile(const uint32_t* const* x, const uint16_t* w,
+                                   int64_t pairs, int64_t b0, uint16_t* const* y,
+                                   int64_t n_out) {
+  __m512 acc[ROWS][BLOCKS];
+  for (int m = 0; m < ROWS; ++m)
+    for (int b = 0; b < BLOCKS; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wb[BLOCKS];
+    for (int b = 0; b < BLOCKS; ++b)
+      wb[b] = (__m512bh)_mm512_loadu_si512(w + ((b0 + b) * pairs + p) * 2 * kLanes);
+    for (int m = 0; m < ROWS; ++m) {
+      const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m][p]));
+      for (int b = 0; b < BLOCKS; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wb[b], xs);
+    }
+  }
+  for (int m = 0; m < ROWS; ++m) {
+    for (int b = 0; b < BLOCKS; ++b) {
+      const int64_t n = (b0 + b) * kLanes;
+      if (n >= n_out) break;
+      const __mmask16 keep = n + kLanes <= n_out
+                                 ? static_cast<__mmask16>(0xFFFF)
+                                 : static_cast<__mmask16>((1u << (n_out - n)) - 1);
+      _mm256_mask_storeu_epi16(y[m] + n, keep, (__m256i)_mm512_cvtneps_pbh(acc[m][b]));
+    }
+  }
+}
+
+template <int ROWS>
+void pair_gemm_rows(int blocks, const uint32_t* const* x, const uint16_t* w,
+                    int64_t pairs, int64_t b0, uint16_t* const* y, int64_t n_out) {
+  switch (blocks) {
+    case 1: pair_gemm_tile<ROWS, 1>(x, w, pairs, b0, y, n_out); break;
+    case 2: pair_gemm_tile<ROWS, 2>(x, w, pairs, b0, y, n_out); break;
+    case 3: pair_gemm_tile<ROWS, 3>(x, w, pairs, b0, y, n_out); break;
+    default: pair_gemm_tile<ROWS, 4>(x, w, pairs, b0, y, n_out); break;
+  }
+}
+
+// Row r of the product goes from x + x_row[r] * x_stride to
+// y + y_row[r] * y_stride (strides in bfloat16 values; x_row/y_row null:
+// the identity). Threads split tiles of (rows, output blocks).
+void pair_gemm(int64_t rows, const uint16_t* x, const int64_t* x_row,
+               int64_t x_stride, const at::Tensor& weight, uint16_t* y,
+               const int64_t* y_row, int64_t y_stride, int64_t n_out) {
+  const int64_t blocks = weight.size(0), pairs = weight.size(1);
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const int64_t row_tiles = (rows + kMaxRows - 1) / kMaxRows;
+  const int64_t block_tiles = (blocks + kMaxBlocks - 1) / kMaxBlocks;
+  const int64_t work_per_tile = kMaxRows * kMaxBlocks * kLanes * pairs * 2;
+  at::parallel_for(
+      0, row_tiles * block_tiles, std::max<int64_t>(1, kMinWorkPerThread / work_per_tile),
+      [&](int64_t begin, int64_t end) {
+        for (int64_t tile = begin; tile < end; ++tile) {
+          const int64_t m0 = tile / block_tiles * kMaxRows;
+          const int64_t b0 = tile % block_tiles * kMaxBlocks;
+          const int n_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - m0));
+          const int n_blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - b0));
+          const uint32_t* xs[kMaxRows];
+          uint16_t* ys[kMaxRows];
+          for (int m = 0; m < n_rows; ++m) {
+            const int64_t xr = x_row ? x_row[m0 + m] : m0 + m;
+            const int64_t yr = y_row ? y_row[m0 + m] : m0 + m;
+            xs[m] = reinterpret_cast<const uint32_t*>(x + xr * x_stride);
+            ys[m] = y + yr * y_stride;
+          }
+          switch (n_rows) {
+            case 1: pair_gemm_rows<1>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
+            case 2: pair_gemm_rows<2>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
+            case 3: pair_gemm_rows<3>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
+            default: pair_gemm_rows<4>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
+          }
+        }
+      });
+}
+
+void check_pair_weight(const at::Tensor& w, int64_t in, int64_t out, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == 2 * kLanes && w.scalar_type() == at::kShort &&
+                  w.is_contiguous(),
+              "routed_light: ", name, " must be int16 [blocks, pairs, 32]");
+  TORCH_CHECK(w.size(1) * 2 >= in && w.size(1) * 2 <= in + 1 &&
+                  w.size(0) * kLanes >= out && w.size(0) * kLanes < out + kLanes,
+              "routed_light: ", name, " holds ", w.size(1) * 2, " x ", w.size(0) * kLanes,
+              " channels, not ", in, " x ", out);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
+    const at::Tensor& u, const at::Tensor& w1t, const at::Tensor& b1,
+    const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& down,
+    const at::Tensor& up, int64_t rank, double threshold,
+    const std::optional<at::Tensor>& counts) {
+  TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kBFloat16 && u.is_contiguous(),
+              "routed_light: u must be a contiguous 2-D bfloat16 tensor");
+  const int64_t rows = u.size(0), hidden = u.size(1);
+  TORCH_CHECK(hidden % kLanes == 0, "routed_light: hidden size ", hidden,
+              " is not a multiple of ", kLanes);
+  const int64_t r_pad = w1t.size(1);
+  for (const at::Tensor* t : {&w1t, &b1, &w2, &b2})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "routed_light: router weights must be contiguous float32");
+  TORCH_CHECK(w1t.dim() == 2 && w1t.size(0) == hidden && r_pad % kRouterChunk == 0 &&
+                  b1.numel() == r_pad && w2.numel() == r_pad && b2.numel() == 1,
+              "routed_light: router weights must be [", hidden, ", R'], [R'], [R'], [1]",
+              " with R' a multiple of ", kRouterChunk);
+  check_pair_weight(down, hidden, rank, "down");
+  check_pair_weight(up, rank, hidden, "up");
+
+  const auto* up_ = reinterpret_cast<const uint16_t*>(u.data_ptr());
+  at::Tensor scores = at::empty({rows}, u.options().dtype(at::kFloat));
+  float* sp = scores.data_ptr<float>();
+  const float* w1 = w1t.data_ptr<float>();
+  const float* bias1 = b1.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  const float bias2 = b2.data_ptr<float>()[0];
+  const int64_t router_work = hidden * r_pad;
+  at::parallel_for(0, rows, std::max<int64_t>(1, kMinWorkPerThread / router_work),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t t = begin; t < end; ++t)
+                       sp[t] = router_score(up_ + t * hidden, hidden, w1, bias1, w2p,
+                                            bias2, r_pad);
+                   });
+
+  // Compared in float32, as torch compares a float32 tensor with a scalar.
+  const float cut = static_cast<float>(threshold);
+  int64_t num_heavy = 0;
+  for (int64_t t = 0; t < rows; ++t) num_heavy += sp[t] >= cut;
+  at::Tensor heavy_rows = at::empty({num_heavy}, u.options().dtype(at::kLong));
+  at::Tensor light_rows = at::empty({rows - num_heavy}, u.options().dtype(at::kLong));
+  int64_t* hp = heavy_rows.data_ptr<int64_t>();
+  int64_t* lp = light_rows.data_ptr<int64_t>();
+  for (int64_t t = 0; t < rows; ++t) *(sp[t] >= cut ? hp++ : lp++) = t;
+
+  if (counts.has_value()) {
+    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->numel() == 2,
+                "routed_light: counts must be int64 [2]");
+    int64_t* cp = counts->data_ptr<int64_t>();
+    cp[0] += num_heavy;
+    cp[1] += rows;
+  }
+
+  at::Tensor y = at::empty_like(u);
+  const int64_t num_light = rows - num_heavy;
+  if (num_light > 0) {
+    const int64_t rank_even = down.size(0) * kLanes;  // >= rank + 1 when odd
+    at::Tensor mid = at::empty({num_light, rank_even}, u.options());
+    auto* mp = reinterpret_cast<uint16_t*>(mid.data_ptr());
+    const int64_t* light = light_rows.data_ptr<int64_t>();
+    // Every column of `mid` is written (padded channels' weights are zero),
+    // so the up projection's padded input pair reads zeros.
+    pair_gemm(num_light, up_, light, hidden, down, mp, nullptr, rank_even, rank_even);
+    pair_gemm(num_light, mp, nullptr, rank_even, up,
+              reinterpret_cast<uint16_t*>(y.data_ptr()), light, hidden, hidden);
+  }
+  return {y, scores, heavy_rows};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(o3_cpu, m) {
+  m.def("routed_light(Tensor u, Tensor w1t, Tensor b1, Tensor w2, Tensor b2, Tensor down, "
+        "Tensor up, int rank, float threshold, Tensor(a!)? counts) -> (Tensor, Tensor, Tensor)");
+  m.impl("routed_light", c10::DispatchKey::CPU, TORCH_FN(routed_light));
+}
