@@ -126,9 +126,31 @@ void gemm_rows(int64_t rows, const uint32_t* x, int64_t x_pairs, int64_t m0,
 }
 
 // Per row and group, the sum of the (bfloat16) inputs: what the offsets of
-// asymmetric weights multiply.
-at::Tensor group_sums(const at::Tensor& x, int64_t groups) {
-  return x.to(at::kFloat).view({x.size(0), groups, -1}).sum(-1).contiguous();
+// asymmetric weights multiply. In here rather than as ATen operations, whose
+// dispatch cost a fifth of a one-row call.
+O3_AVX512_BF16 void group_sums(const uint16_t* x, int64_t rows, int64_t k,
+                               int64_t groups, float* sums) {
+  const int64_t size = k / groups;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint16_t* p = x + r * k + g * size;
+      __m512 acc = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= size; i += 16) {
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
+        acc = _mm512_add_ps(
+            acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
+      }
+      float sum = _mm512_reduce_add_ps(acc);
+      for (; i < size; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
+        float value;
+        std::memcpy(&value, &bits, sizeof(value));
+        sum += value;
+      }
+      sums[r * groups + g] = sum;
+    }
+  }
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
@@ -161,7 +183,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
 
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
-  const at::Tensor sums = has_offsets ? group_sums(x, groups) : at::Tensor();
+  at::Tensor sums;
+  if (has_offsets) {
+    sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
+    group_sums(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, groups,
+               sums.data_ptr<float>());
+  }
   const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const float* sp = scales.data_ptr<float>();
