@@ -3,9 +3,9 @@
 Builds vLLM's own layers (LlamaMLP, O3's router and light path) with their CPU
 weight packing, and times the routed FFN op body (router + compaction + both
 paths) as the engine runs it on this CPU (`cpu_routed_ffn`) and in PyTorch,
-against the dense FFN on the same input, side by side, medians of repeats. At T = 1 a token is either heavy or
-light, so a fraction there is the mean over a sequence of single-token calls
-in which that share of tokens is heavy.
+against the dense FFN on the same input, side by side, medians of repeats. At
+T = 1 a token is either heavy or light, so a fraction there is the mean over a
+sequence of single-token calls in which that share of tokens is heavy.
 
     python -m benchmarks.routed_ffn_layer [--repeats 20] [--shapes tinyllama smollm2]
 """
@@ -154,8 +154,8 @@ def main() -> None:
         "Routed = router + compaction + full FFN on heavy rows + light path on "
         "the rest: as the engine runs it on this CPU (router and light path in "
         "one C++ call, `cpu_routed_ffn`), and in PyTorch (`routed_ffn_torch`, "
-        "what runs where the C++ kernel cannot); medians of repeats (T = 1: mean per call over 200 "
-        "single-token calls with that share heavy, the dense FFN timed the same "
+        "what runs where the C++ kernel cannot); medians of repeats (T = 1: "
+        "mean per call over 200 single-token calls with that share heavy, the dense FFN timed the same "
         "way).\n\n" + table
     )
     print(body)

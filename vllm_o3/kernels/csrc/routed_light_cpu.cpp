@@ -2,7 +2,8 @@
 // x86 CPUs with AVX512-BF16. In PyTorch they are a dozen small operations per
 // layer (an upcast, two float32 linears, silu, sigmoid, the threshold, the
 // partition, two bfloat16 linears), each with its own dispatch: at decode
-// sizes that overhead alone cost a third of a full FFN on a small model.
+// sizes that dispatch made a light token cost 40 % of a heavy one on a small
+// model (docs/bench_routed_ffn_layer.md).
 //
 // Per row: the router score sigmoid(w2 . silu(W1 u + b1) + b2) in float32
 // (O3_SPEC section 1: upcast inputs, float32 weights), heavy when
@@ -11,7 +12,7 @@
 // heavy rows are left for the caller's full FFN. `counts` (optional) gains
 // [heavy rows, rows]: the router statistics, without another operation.
 //
-// Light weights are in "pair" layout (`pack_pairs` in cpu_routed_light.py):
+// Light weights are in "pair" layout (`pack_pairs` in cpu_routed_ffn.py):
 // output channels in blocks of 16, input channels in pairs; each (block,
 // pair) is 32 bfloat16 values, channel c's pair at 2c and 2c + 1, i.e. one
 // operand of VDPBF16PS against a broadcast pair of inputs.
@@ -204,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
   check_pair_weight(down, hidden, rank, "down");
   check_pair_weight(up, rank, hidden, "up");
 
-  const auto* up_ = reinterpret_cast<const uint16_t*>(u.data_ptr());
+  const auto* u_ptr = reinterpret_cast<const uint16_t*>(u.data_ptr());
   at::Tensor scores = at::empty({rows}, u.options().dtype(at::kFloat));
   float* sp = scores.data_ptr<float>();
   const float* w1 = w1t.data_ptr<float>();
@@ -215,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
   at::parallel_for(0, rows, std::max<int64_t>(1, kMinWorkPerThread / router_work),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t t = begin; t < end; ++t)
-                       sp[t] = router_score(up_ + t * hidden, hidden, w1, bias1, w2p,
+                       sp[t] = router_score(u_ptr + t * hidden, hidden, w1, bias1, w2p,
                                             bias2, r_pad);
                    });
 
@@ -230,8 +231,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
   for (int64_t t = 0; t < rows; ++t) *(sp[t] >= cut ? hp++ : lp++) = t;
 
   if (counts.has_value()) {
-    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->numel() == 2,
-                "routed_light: counts must be int64 [2]");
+    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->numel() == 2 &&
+                    counts->is_contiguous(),
+                "routed_light: counts must be a contiguous int64 [2]");
     int64_t* cp = counts->data_ptr<int64_t>();
     cp[0] += num_heavy;
     cp[1] += rows;
@@ -240,14 +242,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
   at::Tensor y = at::empty_like(u);
   const int64_t num_light = rows - num_heavy;
   if (num_light > 0) {
-    const int64_t rank_even = down.size(0) * kLanes;  // >= rank + 1 when odd
-    at::Tensor mid = at::empty({num_light, rank_even}, u.options());
+    const int64_t mid_width = down.size(0) * kLanes;  // >= rank + 1 when odd
+    at::Tensor mid = at::empty({num_light, mid_width}, u.options());
     auto* mp = reinterpret_cast<uint16_t*>(mid.data_ptr());
     const int64_t* light = light_rows.data_ptr<int64_t>();
     // Every column of `mid` is written (padded channels' weights are zero),
     // so the up projection's padded input pair reads zeros.
-    pair_gemm(num_light, up_, light, hidden, down, mp, nullptr, rank_even, rank_even);
-    pair_gemm(num_light, mp, nullptr, rank_even, up,
+    pair_gemm(num_light, u_ptr, light, hidden, down, mp, nullptr, mid_width, mid_width);
+    pair_gemm(num_light, mp, nullptr, mid_width, up,
               reinterpret_cast<uint16_t*>(y.data_ptr()), light, hidden, hidden);
   }
   return {y, scores, heavy_rows};
