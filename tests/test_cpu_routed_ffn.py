@@ -123,7 +123,7 @@ def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
 @needs_kernel
 def test_without_counts_nothing_is_counted_and_all_light_rows_are_written():
     layer = Layer(64, 8, 16)
-    u = torch.randn(9, 64).bfloat16()
+    u = torch.randn(64, 9).bfloat16().t()  # not contiguous
     y, _, num_heavy = cpu_routed_ffn.routed_ffn_cpu(u, layer.packed(), 2.0, layer.heavy)
     assert num_heavy == 0
     torch.testing.assert_close(y, layer.light(u), rtol=0.02, atol=0.02)

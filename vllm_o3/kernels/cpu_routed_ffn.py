@@ -120,6 +120,7 @@ def routed_ffn_cpu(
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(output, float32 router scores, number of heavy rows) for `u` [T, H];
     `counts` ([heavy, real] rows, int64), if given, gains this batch's."""
+    u = u.contiguous()  # the kernel reads rows in place
     y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
         u, weights.w1t, weights.b1, weights.w2, weights.b2,
         weights.down, weights.up, weights.rank, threshold, counts,
