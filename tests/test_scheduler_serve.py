@@ -4,7 +4,7 @@ them; plus the offline path through `LLM(...)`.
 
 The server's breaker is on only for `high` (2 drops, 10 s cool-down), so the
 other tests' deadline drops (of `critical` and `normal` requests) leave it be.
-The `small` preset keeps a 2000-token request busy for tens of seconds here.
+The `small` preset keeps a 2000-token request busy for ~20 s here.
 """
 
 from __future__ import annotations
@@ -64,11 +64,25 @@ def body(model: str, **fields) -> dict:
     return request
 
 
+def wait_idle(server) -> None:
+    """Until no request runs or waits: blockers started on a busy server
+    would start one after another, and the first could end (a 2000-token
+    request takes ~20 s here) while a test still counts on it."""
+    deadline = time.monotonic() + 60
+    while any(
+        metric(metric_samples(server.url), name) > 0
+        for name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
+    ):
+        assert time.monotonic() < deadline, "the server did not become idle"
+        time.sleep(0.1)
+
+
 @contextlib.contextmanager
 def blockers(server, http, model, tier: str, count: int = SLOTS):
     """`count` long streaming requests of `tier` holding request slots (each
     has produced a token when this yields); cancelled (client disconnect) on
     exit, and the slots are free again afterwards."""
+    wait_idle(server)
     stop = threading.Event()
     started = [threading.Event() for _ in range(count)]
 
@@ -95,10 +109,7 @@ def blockers(server, http, model, tier: str, count: int = SLOTS):
         stop.set()
         for thread in threads:
             thread.join(timeout=60)
-        deadline = time.monotonic() + 60
-        while metric(metric_samples(server.url), "vllm:num_requests_running") > 0:
-            assert time.monotonic() < deadline, "cancelled blockers still running"
-            time.sleep(0.1)
+        wait_idle(server)
 
 
 def assert_deadline_error(error: dict, tier: str, deadline: str) -> None:
