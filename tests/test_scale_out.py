@@ -58,10 +58,11 @@ def test_completions_and_chat_reach_both_prod_replicas(cluster):
     assert sum(after) - sum(before) == 24
 
 
-def occupy(replica, tokens: int = 2000) -> threading.Thread:
+def occupy(replica, tokens: int = 2000, wait: bool = True) -> threading.Thread:
     """A long request straight to a replica, filling its only slot; returns
-    once it has streamed its first token. Its deadline is explicit: the
-    default `critical` one (50 ms) can pass while four replicas share 2 cores."""
+    once it has streamed its first token (`wait`), or at once (one queued
+    behind another). Its deadline is explicit: the default `critical` one
+    (50 ms) can pass while four replicas share 2 cores."""
     started = threading.Event()
 
     def run():
@@ -76,7 +77,7 @@ def occupy(replica, tokens: int = 2000) -> threading.Thread:
 
     thread = threading.Thread(target=run)
     thread.start()
-    assert started.wait(timeout=120), "the filler request never ran"
+    assert not wait or started.wait(timeout=120), "the filler request never ran"
     return thread
 
 
@@ -84,7 +85,13 @@ def test_deadline_fields_arrive_through_gateway_and_proxy(cluster):
     # The body's vllm_xargs cross smg unchanged; smg 1.13 drops X-O3-*
     # headers (it forwards only authorization, x-request-id, x-correlation-id,
     # traceparent and tracestate), so nginx carries them in tracestate.
-    fillers = [occupy(r) for r in cluster.replicas["prod"]]
+    # The gateway retries a 503 (up to 5 times, with backoff): each replica
+    # stays busy through them with two more fillers queued behind the first
+    # (2000 tokens of the tiny model take ~10 s).
+    prod = cluster.replicas["prod"]
+    fillers = [occupy(r) for r in prod] + [
+        occupy(r, wait=False) for r in prod for _ in range(2)
+    ]
     with httpx.Client(base_url=cluster.url, timeout=120) as client:
         by_body = completion(
             client, "prod", vllm_xargs={"tier": "high", "deadline_ms": 1}

@@ -121,9 +121,6 @@ def start_gateway(env: str, replicas: list[Server], folder: Path) -> Server:
         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
         # A replica that stops answering leaves the rotation within seconds.
         "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
-        # A replica's 503 is O3Scheduler's decision (a missed queue deadline):
-        # retried, the request would wait its backoff and be served late.
-        "--disable-retries",
     ]  # fmt: skip
     return launch(command, folder / f"gateway-{env}.log", port)
 
