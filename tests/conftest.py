@@ -9,6 +9,9 @@ import pytest
 # vLLM on CPU reserves `gpu_memory_utilization` (0.92) of RAM for the KV cache
 # by default, which CI machines cannot spare; 1 GiB holds every test's cache.
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# A server or engine process that dies of a signal (a segfault in a worker)
+# prints every thread's Python stack into its log.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 # `LLM.apply_model` ships test functions to the worker with cloudpickle.
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 # Without a GPU, Triton kernels run in Triton's interpreter; this must be set

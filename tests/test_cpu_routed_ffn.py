@@ -142,6 +142,28 @@ def test_a_bad_weight_is_refused_by_name():
         )
 
 
+@needs_kernel
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_its_registration_and_fake_agree_with_it(fraction):
+    """torch.library's own checks: the schema (counts mutated in place), the
+    fake's outputs (data-dependent row counts) against the real ones, and the
+    op traced as torch.compile would, where every output value is defined
+    (a split leaves the heavy rows of y for the caller)."""
+    layer = Layer(64, 8, 16)
+    u = torch.randn(6, 64).bfloat16()
+    packed = layer.packed()
+    threshold = threshold_between(layer.router(u), fraction)
+    args = (u, packed.w1t, packed.b1, packed.w2, packed.b2, packed.down, packed.up)
+    checks = ["test_schema", "test_autograd_registration", "test_faketensor"]
+    if fraction in (0.0, 1.0):
+        checks.append("test_aot_dispatch_dynamic")
+    torch.library.opcheck(
+        torch.ops.o3_cpu.routed_light.default,
+        (*args, packed.rank, threshold, torch.zeros(2, dtype=torch.int64)),
+        test_utils=checks,
+    )
+
+
 def kernel_layers(model) -> list[bool]:
     """Runs in the worker: which routed layers the C++ kernel runs."""
     return [layer.cpu_weights is not None for _, layer in routed_layers(model)]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_o3.kernels import cpu_kernels
+from vllm_o3.kernels.routing import with_heavy_rows
 
 LANES = 16  # float32 lanes of AVX-512: output channels per block
 ROUTER_CHUNK = 64  # router hidden units per pass of the kernel
@@ -86,19 +87,24 @@ def pack_routed_weights(
     )
 
 
+def _routed_light_fake(u, w1t, b1, w2, b2, down, up, rank, threshold, counts):
+    """Row counts of the light output (all or none) and of the heavy-row
+    list depend on the scores."""
+    ctx = torch.library.get_ctx()
+    return (
+        u.new_empty(ctx.new_dynamic_size(), u.shape[1]),
+        u.new_empty(u.shape[0], dtype=torch.float32),
+        u.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
+    )
+
+
 @functools.cache
 def _kernels_reason() -> str | None:
     reason = cpu_kernels.unavailable_reason()
     if reason is None:
         # What torch.compile would trace; the routed FFN op that calls this
         # is opaque to it anyway.
-        torch.library.register_fake("o3_cpu::routed_light")(
-            lambda u, w1t, b1, w2, b2, down, up, rank, threshold, counts: (
-                torch.empty_like(u),
-                u.new_empty(u.shape[0], dtype=torch.float32),
-                u.new_empty(0, dtype=torch.int64),
-            )
-        )
+        torch.library.register_fake("o3_cpu::routed_light")(_routed_light_fake)
     return reason
 
 
@@ -125,9 +131,4 @@ def routed_ffn_cpu(
         u, weights.w1t, weights.b1, weights.w2, weights.b2,
         weights.down, weights.up, weights.rank, threshold, counts,
     )  # fmt: skip
-    num_heavy = heavy_rows.shape[0]
-    if num_heavy == u.shape[0]:
-        return heavy_ffn(u), scores, num_heavy
-    if num_heavy:
-        y.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
-    return y, scores, num_heavy
+    return with_heavy_rows(u, y, heavy_rows, heavy_ffn), scores, heavy_rows.shape[0]

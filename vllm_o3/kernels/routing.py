@@ -70,6 +70,22 @@ def routed_ffn_torch(
     order = torch.argsort(heavy.logical_not().to(torch.int8), stable=True)
     heavy_rows, light_rows = order[:num_heavy], order[num_heavy:]
     y = torch.empty_like(u)
-    y.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
     y.index_copy_(0, light_rows, light_path(u.index_select(0, light_rows)))
-    return y, num_heavy
+    return with_heavy_rows(u, y, heavy_rows, heavy_ffn), num_heavy
+
+
+def with_heavy_rows(
+    u: torch.Tensor,
+    light_out: torch.Tensor,
+    heavy_rows: torch.Tensor,
+    heavy_ffn: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The routed output from the light rows' (`light_out`, written in place)
+    and the full FFN run on the heavy rows only; when every row is heavy, the
+    full FFN on `u` as it is (no gather, no scatter, `light_out` unused)."""
+    num_heavy = heavy_rows.shape[0]
+    if num_heavy == u.shape[0]:
+        return heavy_ffn(u)
+    if num_heavy:
+        light_out.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
+    return light_out

@@ -9,7 +9,8 @@
 // (O3_SPEC section 1: upcast inputs, float32 weights), heavy when
 // score >= threshold. Light rows then get up(down(u)) in bfloat16, the
 // rank-r intermediate rounded to bfloat16 as a 16-bit linear's output is;
-// heavy rows are left for the caller's full FFN. `counts` (optional) gains
+// heavy rows are left for the caller's full FFN. Returns (y, scores, heavy
+// row indices); y is [0, H] when no row is light. `counts` (optional) gains
 // [heavy rows, rows]: the router statistics, without another operation.
 //
 // Light weights are in "pair" layout (`pack_pairs` in cpu_routed_ffn.py):
@@ -21,11 +22,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "avx512_bf16.h"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <tuple>
 
@@ -37,13 +37,6 @@ constexpr int kMaxRows = 4;           // rows sharing each weight load
 constexpr int kMaxBlocks = 4;         // output blocks sharing each broadcast
 // Below this many multiply-adds a thread's share is not worth waking threads.
 constexpr int64_t kMinWorkPerThread = 256 * 1024;
-
-#define O3_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
-
-O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
 
 // exp(x) to about 2 ulp (Cephes' expf): x = n ln2 + r, |r| <= ln2 / 2.
 O3_AVX512_BF16 inline __m512 exp_ps(__m512 x) {
@@ -239,8 +232,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
     cp[1] += rows;
   }
 
-  at::Tensor y = at::empty_like(u);
   const int64_t num_light = rows - num_heavy;
+  // No light row: nothing to write, and the caller runs the full FFN on u.
+  at::Tensor y = num_light > 0 ? at::empty_like(u) : at::empty({0, hidden}, u.options());
   if (num_light > 0) {
     const int64_t mid_width = down.size(0) * kLanes;  // >= rank + 1 when odd
     at::Tensor mid = at::empty({num_light, mid_width}, u.options());
