@@ -55,6 +55,21 @@ def share_worker_metrics() -> None:
         values.ValueClass = values.get_value_class()
 
 
+def request_amx_tiles() -> None:
+    """Ask Linux for the AMX tile state once per process, on CPUs with AMX.
+
+    vLLM's CPU attention runs AMX instructions where the CPU has them without
+    asking first (oneDNN's and torch's own AMX paths ask); a process whose
+    first AMX instruction is the attention's dies of SIGILL. Seen on an Intel
+    Xeon: a server of a small model died on its first request, whose linears
+    oneDNN had run without AMX.
+    """
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+
+
 def register() -> None:
     """vLLM plugin entry point: O3's config, model class, metrics and the
     `o3_int4` quantization method."""
@@ -66,6 +81,7 @@ def register() -> None:
 
     register_with_transformers()
     share_worker_metrics()
+    request_amx_tiles()
     if "O3ForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("O3ForCausalLM", VLLM_MODEL_CLASS)
     if QUANT_METHOD not in QUANTIZATION_METHODS:
