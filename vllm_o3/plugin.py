@@ -72,7 +72,7 @@ def request_amx_tiles() -> None:
 
 def register() -> None:
     """vLLM plugin entry point: O3's config, model class, metrics and the
-    `o3_int4` quantization method."""
+    `o3_int4` quantization method; the AMX tile state where the CPU has it."""
     from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import (
         QUANTIZATION_METHODS,

@@ -18,7 +18,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <immintrin.h>
+#include "avx512_bf16.h"
 
 #include <cstdint>
 #include <cstring>
@@ -31,8 +31,6 @@ constexpr int64_t kStep = 8;           // input channels per 64-byte word group
 constexpr int64_t kMaxRowsPerTile = 4;  // rows sharing each expanded weight
 // Rows whose inputs stay in L2 while a thread runs its output tiles over them.
 constexpr int64_t kChunkBytes = 384 * 1024;
-
-#define O3_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 O3_AVX512_BF16 inline __m512i nibble_table() {
   alignas(64) uint16_t table[32];
@@ -136,18 +134,9 @@ O3_AVX512_BF16 void group_sums(const uint16_t* x, int64_t rows, int64_t k,
       const uint16_t* p = x + r * k + g * size;
       __m512 acc = _mm512_setzero_ps();
       int64_t i = 0;
-      for (; i + 16 <= size; i += 16) {
-        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i));
-        acc = _mm512_add_ps(
-            acc, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16)));
-      }
+      for (; i + 16 <= size; i += 16) acc = _mm512_add_ps(acc, bf16x16_to_float(p + i));
       float sum = _mm512_reduce_add_ps(acc);
-      for (; i < size; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-        float value;
-        std::memcpy(&value, &bits, sizeof(value));
-        sum += value;
-      }
+      for (; i < size; ++i) sum += bf16_to_float(p[i]);
       sums[r * groups + g] = sum;
     }
   }
