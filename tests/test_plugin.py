@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from vllm_o3.plugin import KEEP_SCHED_YIELD
 
 # Prints whether this process may use the AMX tile state, before and after the
 # plugin's registration (arch_prctl ARCH_GET_XCOMP_PERM, bit XFEATURE_XTILEDATA).
@@ -30,3 +33,27 @@ def test_the_plugin_gets_the_amx_tile_state_for_vllms_cpu_attention():
         [sys.executable, "-c", CHECK], capture_output=True, text=True, check=True
     )
     assert result.stdout.split()[-2:] == ["False", "True"], result.stdout
+
+
+POLLING = """
+import vllm_o3.plugin
+vllm_o3.plugin.register()
+from vllm.distributed import utils
+print(utils.USE_SCHED_YIELD)
+"""
+
+
+@pytest.mark.parametrize("keep", [None, "1"])
+def test_vllms_queues_poll_without_sched_yield_on_cpu_unless_kept(keep):
+    # sched_yield spinners starved the API server (tests/test_faults.py).
+    from vllm.platforms import current_platform
+
+    expected = str(keep == "1" or not current_platform.is_cpu())
+    env = {k: v for k, v in os.environ.items() if k != KEEP_SCHED_YIELD}
+    if keep is not None:
+        env[KEEP_SCHED_YIELD] = keep
+    result = subprocess.run(
+        [sys.executable, "-c", POLLING],
+        capture_output=True, text=True, check=True, env=env,
+    )  # fmt: skip
+    assert result.stdout.split()[-1] == expected, result.stdout
