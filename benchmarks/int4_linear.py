@@ -2,13 +2,18 @@
 
 Same weights (the FFN shapes of TinyLlama-1.1B and of the default model,
 SmolLM2-135M; random), same inputs, side by side. As in a real decode step,
-every call reads its weights from memory, not cache: each variant cycles
-through copies totalling more than the CPU's caches. vLLM's 16-bit CPU linear
+every call reads its weights from memory, not cache: before each timed call
+the benchmark reads twice the size of the last-level cache in other data
+(cycling through copies of the weights, as it did first, left the 4-bit
+ones in a 300 MB L3). vLLM's 16-bit CPU linear
 (its oneDNN-packed path, as the engine runs it); `o3_int4` as it runs here
-(`Int4Linear`: the AVX512-BF16 INT4 GEMM); `o3_int4` on a CPU without
+(`Int4Linear`: the AVX512-BF16 INT4 GEMM, and with AMX dequantize + 16-bit
+GEMM from `DENSE_MIN_ROWS` rows); `o3_int4` on a CPU without
 AVX512-BF16 (torch's packed INT4 matmul up to SMALL_M_MAX rows, dequantize +
 16-bit GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
-for reference. Medians of repeats.
+for reference (with AMX it is vLLM's W4A8 path, which quantizes activations
+to int8 and needs zero points: the symmetric weight is given explicit zeros
+of 8). Medians of repeats.
 
     python -m benchmarks.int4_linear [--repeats 20]
 """
@@ -16,12 +21,16 @@ for reference. Medians of repeats.
 from __future__ import annotations
 
 import argparse
-from itertools import cycle
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import median_time, single_process_vllm, write_report
+from benchmarks.common import (
+    cache_evictor,
+    median_time,
+    single_process_vllm,
+    write_report,
+)
 
 SHAPES = {  # (out, in)
     "1b gate_up": (11264, 2048),
@@ -30,7 +39,6 @@ SHAPES = {  # (out, in)
     "135m down": (576, 1536),
 }
 ROWS = (1, 4, 8, 16, 64, 256, 512, 2048)  # plus both sides of the fallback's switch
-COPIES_BYTES = 768 * 2**20  # of 16-bit weights per variant, beyond any cache
 
 
 def dense_linear(weight: torch.Tensor, packed):
@@ -51,7 +59,11 @@ def int4_linear(weight: torch.Tensor, packed):
 
 def vllm_wna16_linear(weight: torch.Tensor, packed):
     from vllm_o3.kernels.int4_linear import Int4Linear
+    from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, pack_int4
 
+    if packed.qzeros is None and torch.cpu._is_amx_tile_supported():
+        zeros = torch.full_like(packed.scales, SYMMETRIC_ZERO, dtype=torch.int32)
+        packed = Int4Weight(packed.qweight, packed.scales, pack_int4(zeros, dim=1))
     return Int4Linear(packed, torch.bfloat16, vllm_kernel=True)
 
 
@@ -72,6 +84,7 @@ VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
 
 
 def main() -> None:
+    from vllm_o3.kernels.cpu_int4_gemm import DENSE_MIN_ROWS
     from vllm_o3.kernels.int4_linear import SMALL_M_MAX
     from vllm_o3.quantization.int4_format import largest_group_size, quantize
 
@@ -80,37 +93,42 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_default_dtype(torch.bfloat16)
     rows = []
+    evict = cache_evictor()
     with single_process_vllm():
         for name, (out_features, in_features) in SHAPES.items():
             torch.manual_seed(0)
             weight = torch.randn(out_features, in_features) * in_features**-0.5
             packed = quantize(weight, largest_group_size(name, in_features), sym=True)
-            copies = max(2, COPIES_BYTES // (weight.numel() * 2))
-            layers = [
-                cycle([build(weight, packed) for _ in range(copies)])
-                for build in VARIANTS
-            ]
+            layers = [build(weight, packed) for build in VARIANTS]
             switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
             for m in tqdm(sorted({*ROWS, *switch}), desc=name):
                 x = torch.randn(m, in_features)
                 times = [
-                    median_time(lambda c=c, x=x: next(c)(x), args.repeats)
-                    for c in layers
+                    median_time(lambda f=f, x=x: f(x), args.repeats, before=evict)
+                    for f in layers
                 ]
                 cells = [f"{t * 1e3:.3f} | {times[0] / t:.2f}x" for t in times[1:]]
                 rows.append(
                     f"| {name} {out_features}x{in_features} | {packed.group_size} "
                     f"| {m} | {times[0] * 1e3:.3f} | " + " | ".join(cells) + " |"
                 )
+    amx = torch.cpu._is_amx_tile_supported()
+    path = (
+        f"dequantize + 16-bit GEMM (AMX) from {DENSE_MIN_ROWS} rows, below"
+        if amx
+        else "at every row count (no AMX)"
+    )
     body = (
         "bf16 activations; INT4 symmetric, group 128 (64 where 128 does not "
-        "divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM at "
-        "every row count; without AVX512-BF16 it switches from torch's packed "
-        f"INT4 matmul to dequantize + GEMM above {SMALL_M_MAX} rows. Speed-ups "
-        "are 16-bit time / variant time.\n\n"
+        f"divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM {path}"
+        "; without AVX512-BF16 it switches from torch's packed INT4 matmul to "
+        f"dequantize + GEMM above {SMALL_M_MAX} rows. vLLM's CPU kernel: "
+        + ("W4A8 (AMX)" if amx else "CPUWNA16")
+        + ". Weights read from memory (the caches evicted before each call). "
+        "Speed-ups are 16-bit time / variant time.\n\n"
         "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "
         "| o3_int4 without AVX512-BF16 ms | speed-up "
-        "| vLLM CPUWNA16 ms | speed-up |\n"
+        "| vLLM's CPU kernel ms | speed-up |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
     )
     print(body)

@@ -118,18 +118,38 @@ needs_avx512_bf16 = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )
+@pytest.mark.parametrize("dense_min_rows", [0, 4])
 def test_avx512_bf16_kernel_equals_dequantized_matmul(
-    sym, group_size, rows, out_features, in_features
+    sym, group_size, rows, out_features, in_features, dense_min_rows, monkeypatch
 ):
     # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
     # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
-    # the chunks of rows the kernel keeps in cache.
+    # the chunks of rows the kernel keeps in cache; with dense_min_rows 4,
+    # calls from 4 rows take the dequantize + 16-bit GEMM path (AMX CPUs).
+    monkeypatch.setattr(cpu_int4_gemm, "DENSE_MIN_ROWS", dense_min_rows)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     packed = quantize(weight, group_size, sym)
     linear = Int4Linear(packed, torch.bfloat16)
     assert linear.forward == linear._forward_avx512_bf16
     assert_matches_dequantized(linear, packed, rows)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 256), (200, 128)])
+def test_int4_dequantize_is_the_reference_dequantization(
+    sym, group_size, out_features, in_features
+):
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
+    packed = quantize(weight, group_size, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    dense = torch.ops.o3_cpu.int4_dequantize(
+        linear.words, linear.block_scales, linear.block_offsets, out_features
+    )
+    assert torch.equal(dense, dequantize(packed, torch.bfloat16))
 
 
 @needs_avx512_bf16
