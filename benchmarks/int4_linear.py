@@ -7,8 +7,8 @@ the benchmark reads twice the size of the last-level cache in other data
 (cycling through copies of the weights, as it did first, left the 4-bit
 ones in a 300 MB L3). vLLM's 16-bit CPU linear
 (its oneDNN-packed path, as the engine runs it); `o3_int4` as it runs here
-(`Int4Linear`: the AVX512-BF16 INT4 GEMM, and with AMX dequantize + 16-bit
-GEMM from `DENSE_MIN_ROWS` rows); `o3_int4` on a CPU without
+(`Int4Linear`: the AVX512-BF16 INT4 GEMM, on AMX tiles from `AMX_MIN_ROWS`
+rows where the CPU has them); `o3_int4` on a CPU without
 AVX512-BF16 (torch's packed INT4 matmul up to SMALL_M_MAX rows, dequantize +
 16-bit GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
 for reference (with AMX it is vLLM's W4A8 path, which quantizes activations
@@ -84,7 +84,7 @@ VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
 
 
 def main() -> None:
-    from vllm_o3.kernels.cpu_int4_gemm import DENSE_MIN_ROWS
+    from vllm_o3.kernels import cpu_int4_gemm
     from vllm_o3.kernels.int4_linear import SMALL_M_MAX
     from vllm_o3.quantization.int4_format import largest_group_size, quantize
 
@@ -112,9 +112,11 @@ def main() -> None:
                     f"| {name} {out_features}x{in_features} | {packed.group_size} "
                     f"| {m} | {times[0] * 1e3:.3f} | " + " | ".join(cells) + " |"
                 )
-    amx = torch.cpu._is_amx_tile_supported()
+    cpu_int4_gemm.unavailable_reason()  # loads the kernels, sets AMX_MIN_ROWS
+    amx = cpu_int4_gemm.AMX_MIN_ROWS > 0
     path = (
-        f"dequantize + 16-bit GEMM (AMX) from {DENSE_MIN_ROWS} rows, below"
+        f"below {cpu_int4_gemm.AMX_MIN_ROWS} rows, on AMX tiles from there, "
+        "and from 1024 rows dequantizes the weight and runs torch's 16-bit GEMM"
         if amx
         else "at every row count (no AMX)"
     )
@@ -123,7 +125,7 @@ def main() -> None:
         f"divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM {path}"
         "; without AVX512-BF16 it switches from torch's packed INT4 matmul to "
         f"dequantize + GEMM above {SMALL_M_MAX} rows. vLLM's CPU kernel: "
-        + ("W4A8 (AMX)" if amx else "CPUWNA16")
+        + ("W4A8 (AMX)" if torch.cpu._is_amx_tile_supported() else "CPUWNA16")
         + ". Weights read from memory (the caches evicted before each call). "
         "Speed-ups are 16-bit time / variant time.\n\n"
         "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "

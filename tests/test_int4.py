@@ -105,6 +105,16 @@ def test_the_avx512_bf16_kernel_runs_where_the_cpu_has_it():
         assert "AVX512-BF16" in cpu_int4_gemm.unavailable_reason()
 
 
+def test_the_amx_path_is_taken_where_the_cpu_has_amx():
+    # Not a silent fallback either: with AMX-BF16, calls from
+    # AMX_CROSSOVER_ROWS rows run on its tiles.
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if cpu_int4_gemm.unavailable_reason() is None and "amx_bf16" in flags:
+        assert cpu_int4_gemm.AMX_MIN_ROWS == cpu_int4_gemm.AMX_CROSSOVER_ROWS
+    else:
+        assert cpu_int4_gemm.AMX_MIN_ROWS == 0
+
+
 needs_avx512_bf16 = pytest.mark.skipif(
     cpu_int4_gemm.unavailable_reason() is not None,
     reason=str(cpu_int4_gemm.unavailable_reason()),
@@ -118,15 +128,15 @@ needs_avx512_bf16 = pytest.mark.skipif(
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )
-@pytest.mark.parametrize("dense_min_rows", [0, 4])
+@pytest.mark.parametrize("amx_min_rows", [0, 4])
 def test_avx512_bf16_kernel_equals_dequantized_matmul(
-    sym, group_size, rows, out_features, in_features, dense_min_rows, monkeypatch
+    sym, group_size, rows, out_features, in_features, amx_min_rows, monkeypatch
 ):
     # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
     # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
-    # the chunks of rows the kernel keeps in cache; with dense_min_rows 4,
-    # calls from 4 rows take the dequantize + 16-bit GEMM path (AMX CPUs).
-    monkeypatch.setattr(cpu_int4_gemm, "DENSE_MIN_ROWS", dense_min_rows)
+    # the chunks of rows the kernel keeps in cache; with amx_min_rows 4, on a
+    # CPU with AMX, calls from 4 rows take the AMX path (partial 32-row tiles).
+    monkeypatch.setattr(cpu_int4_gemm, "AMX_MIN_ROWS", amx_min_rows)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     packed = quantize(weight, group_size, sym)
@@ -137,19 +147,11 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
-@pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize(("out_features", "in_features"), [(96, 256), (200, 128)])
-def test_int4_dequantize_is_the_reference_dequantization(
-    sym, group_size, out_features, in_features
-):
+def test_calls_of_thousands_of_rows_equal_dequantized_matmul(sym):
+    # On AMX CPUs, the whole weight dequantized and torch's GEMM.
     torch.manual_seed(0)
-    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
-    packed = quantize(weight, group_size, sym)
-    linear = Int4Linear(packed, torch.bfloat16)
-    dense = torch.ops.o3_cpu.int4_dequantize(
-        linear.words, linear.block_scales, linear.block_offsets, out_features
-    )
-    assert torch.equal(dense, dequantize(packed, torch.bfloat16))
+    packed = quantize(torch.randn(200, 128, dtype=torch.bfloat16), 32, sym)
+    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, 1030)
 
 
 @needs_avx512_bf16

@@ -1,9 +1,9 @@
 """The AVX512-BF16 INT4 GEMM of `csrc/int4_gemm_cpu.cpp` and its weight layout.
 
 It is the CPU kernel of `Int4Linear` wherever the CPU kernels run
-(`cpu_kernels`) and activations are bfloat16. `int4_dequantize` gives the
-weight as the reference dequantizes it (what `int4_gemm` runs the 16-bit GEMM
-on from `DENSE_MIN_ROWS` rows).
+(`cpu_kernels`) and activations are bfloat16. On CPUs with AMX-BF16 (Intel
+from Sapphire Rapids) the same operation runs calls of `AMX_MIN_ROWS` rows
+or more on AMX tiles, the weight dequantized as the reference does it.
 """
 
 from __future__ import annotations
@@ -20,27 +20,29 @@ from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO
 OUTPUT_TILE = 64
 # Input channels per 64-byte word group.
 INPUT_STEP = 8
-# Rows from which `int4_gemm` dequantizes the weight (into a buffer it keeps)
-# and runs torch's 16-bit GEMM instead: where the CPU has AMX (Intel from
-# Sapphire Rapids), that GEMM runs on AMX tiles and overtakes the INT4 GEMM
-# between 10 and 24 rows on the FFN shapes of both presets with the buffer in
-# cache, around 32 for the largest weight (46 MB to write) with it in memory;
-# without AMX never, the INT4 GEMM staying within 8 % of 16-bit at every row
-# count (AMD Zen 4). docs/bench_int4_linear.md has both machines.
-DENSE_MIN_ROWS = 32 if torch.cpu._is_amx_tile_supported() else 0
+# Rows from which `int4_gemm` runs on AMX tiles (0: never); set when the
+# kernels load, where the CPU has AMX-BF16 and the OS lets us use it. The AMX
+# path dequantizes the whole weight per call (into L2, a pair of 16-channel
+# blocks at a time), which costs more than the AVX512-BF16 GEMM below about
+# 8-16 rows and far less above (docs/bench_int4_linear.md).
+AMX_MIN_ROWS = 0
+AMX_CROSSOVER_ROWS = 16
 
 
 @functools.cache
 def unavailable_reason() -> str | None:
     """None when `torch.ops.o3_cpu.int4_gemm` runs here, else why not."""
+    global AMX_MIN_ROWS
     reason = cpu_kernels.unavailable_reason()
     if reason is None:
         # What torch.compile traces: the operation stays opaque in the graph.
         torch.library.register_fake("o3_cpu::int4_gemm")(
-            lambda x, weight, scales, offsets, n_out, dense_min_rows: x.new_empty(
+            lambda x, weight, scales, offsets, n_out, amx_min_rows: x.new_empty(
                 x.shape[0], n_out
             )
         )
+        if torch.ops.o3_cpu.amx_ready():
+            AMX_MIN_ROWS = AMX_CROSSOVER_ROWS
     return reason
 
 

@@ -3,13 +3,15 @@ and batch size.
 
 CPU, measured on this project's machines (docs/bench_int4_linear.md):
 - the AVX512-BF16 INT4 GEMM of `cpu_int4_gemm`: it reads 4 bits per weight
-  and expands them in registers once per tile of rows, so it is several times
-  faster than a 16-bit GEMM at decode sizes; without AMX it stays about as
-  fast as 16-bit up to thousands of rows. With AMX (Intel from Sapphire
-  Rapids) the 16-bit GEMM runs on tiles and is many times faster from ~16
-  rows: there the same operation dequantizes the weight once per call into a
-  buffer and runs that GEMM (`cpu_int4_gemm.DENSE_MIN_ROWS`). Either way from
-  the 4-bit weight alone (half a byte per weight);
+  and expands them in registers once per tile of rows, so it is faster than
+  a 16-bit GEMM at decode sizes; without AMX it stays about as fast as 16-bit
+  up to thousands of rows. With AMX (Intel from Sapphire Rapids) vLLM's
+  16-bit GEMM runs on tiles and is many times faster from ~16 rows: there the
+  same operation runs such calls on AMX tiles too, each pair of 16-channel
+  blocks of the weight dequantized into L2 (`cpu_int4_gemm.AMX_MIN_ROWS`),
+  and calls of 1024 rows or more as the whole weight dequantized into a
+  buffer and that 16-bit GEMM.
+  Either way from the 4-bit weight alone (half a byte per weight);
 - where it cannot run (no AVX512-BF16, no compiler, activations not
   bfloat16: logged once), torch's own packed-INT4 matmul
   (`_weight_int4pack_mm_for_cpu`) up to `SMALL_M_MAX` rows (fast at one row,
@@ -220,7 +222,7 @@ class Int4Linear(nn.Module):
             self.block_scales,
             self.block_offsets,
             self.out_features,
-            cpu_int4_gemm.DENSE_MIN_ROWS,
+            cpu_int4_gemm.AMX_MIN_ROWS,
         )
         return y.reshape(*x.shape[:-1], self.out_features)
 

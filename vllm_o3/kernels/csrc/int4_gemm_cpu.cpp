@@ -13,6 +13,13 @@
 // The 4-bit values q map to q - 8 (exact in bfloat16); per group,
 //   y[m, n] += scale[n, g] * sum_k (q - 8) x[m, k] - offset[n, g] * sum_k x[m, k]
 // with offset = (zero - 8) * scale (none for symmetric weights).
+//
+// Where the CPU has AMX-BF16 (`amx_ready`), whose 16-bit GEMM (vLLM's, on
+// tiles) is many times faster than dot products from ~16 rows, calls of
+// `amx_min_rows` rows or more run on AMX tiles instead, the weight dequantized
+// per call to the reference's bfloat16 values a pair of blocks at a time (into
+// L2), and calls of kDenseMinRows or more as the whole weight dequantized and
+// torch's GEMM (docs/bench_int4_linear.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -20,8 +27,14 @@
 
 #include "avx512_bf16.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -169,39 +182,52 @@ int64_t check_weight(const char* op, const at::Tensor& weight,
   return groups;
 }
 
-// Output block b of the weight as the reference dequantizes it,
-// dense[n, k] = bfloat16(q * scale - zero * scale) (both products exact in
-// float32: an 8-bit scale times a 4-bit integer), n < n_out.
-O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales,
-                                     const float* offsets, int64_t b,
-                                     int64_t steps, int64_t groups, int64_t n_first,
-                                     int64_t n_end, uint16_t* dense) {
-  const int64_t k = steps * kStep, steps_per_group = steps / groups;
-  const __m512i low = _mm512_set1_epi16(0x000F);
-  // Lane w of an expanded nibble belongs to channel w / 2.
+// Block b's scales and zero points for group g, spread over the 32 lanes of
+// an expanded step (lane w is channel w / 2).
+struct LaneParams {
+  __m512 scale_lo, scale_hi, zero_lo, zero_hi;
+};
+
+O3_AVX512_BF16 inline LaneParams lane_params(const float* scales, const float* offsets,
+                                             int64_t index) {
   const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  const __m512 scale = _mm512_loadu_ps(scales + index * kBlock);
+  // zero * scale: 8 * scale, plus offset = (zero - 8) * scale if asymmetric.
+  __m512 zero = _mm512_mul_ps(scale, _mm512_set1_ps(8.0f));
+  if (offsets != nullptr) zero = _mm512_add_ps(zero, _mm512_loadu_ps(offsets + index * kBlock));
+  return {_mm512_permutexvar_ps(first, scale), _mm512_permutexvar_ps(second, scale),
+          _mm512_permutexvar_ps(first, zero), _mm512_permutexvar_ps(second, zero)};
+}
+
+// One step (8 inputs) of a block as the reference dequantizes it,
+// bfloat16(q * scale - zero * scale) (both products exact in float32: an
+// 8-bit scale times a 4-bit integer): pairs[j] holds in 32-bit word c
+// channel c's inputs 2 j and 2 j + 1, one row of an AMX B tile.
+O3_AVX512_BF16 inline void dequantize_step(const uint16_t* words_ptr, const LaneParams& p,
+                                           __m512i pairs[4]) {
+  const __m512i words = _mm512_loadu_si512(words_ptr);
+  const __m512i low = _mm512_set1_epi16(0x000F);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * j), low);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
+    const __m512 hi =
+        _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
+    pairs[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(hi, p.scale_hi, p.zero_hi),
+                                             _mm512_fmsub_ps(lo, p.scale_lo, p.zero_lo));
+  }
+}
+
+// Output block b of the weight, dequantized, into rows of dense [n_out, k].
+O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales,
+                                     const float* offsets, int64_t b, int64_t steps,
+                                     int64_t groups, int64_t n_out, uint16_t* dense) {
+  const int64_t k = steps * kStep, steps_per_group = steps / groups;
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512 scale = _mm512_loadu_ps(scales + (b * groups + g) * kBlock);
-    // zero * scale: 8 * scale, plus offset = (zero - 8) * scale if asymmetric.
-    __m512 zero = _mm512_mul_ps(scale, _mm512_set1_ps(8.0f));
-    if (offsets != nullptr)
-      zero = _mm512_add_ps(zero, _mm512_loadu_ps(offsets + (b * groups + g) * kBlock));
-    const __m512 scale_lo = _mm512_permutexvar_ps(first, scale);
-    const __m512 scale_hi = _mm512_permutexvar_ps(second, scale);
-    const __m512 zero_lo = _mm512_permutexvar_ps(first, zero);
-    const __m512 zero_hi = _mm512_permutexvar_ps(second, zero);
+    const LaneParams params = lane_params(scales, offsets, b * groups + g);
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-      const __m512i words = _mm512_loadu_si512(weight + (b * steps + s) * 32);
-      // pairs[j]: 32-bit word c = channel c's inputs 2 j and 2 j + 1 of this step.
       __m512i pairs[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i q = _mm512_and_si512(_mm512_srli_epi16(words, 4 * j), low);
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(q)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(q, 1)));
-        pairs[j] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmsub_ps(hi, scale_hi, zero_hi),
-                                                 _mm512_fmsub_ps(lo, scale_lo, zero_lo));
-      }
+      dequantize_step(weight + (b * steps + s) * 32, params, pairs);
       // Transpose 4 x 16 words so that each 128-bit lane holds one channel's
       // 8 inputs: lane l of rows[i] is channel 4 l + i.
       const __m512i t0 = _mm512_unpacklo_epi32(pairs[0], pairs[1]);
@@ -213,46 +239,151 @@ O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales
       _mm512_store_si512(rows[1], _mm512_unpackhi_epi64(t0, t2));
       _mm512_store_si512(rows[2], _mm512_unpacklo_epi64(t1, t3));
       _mm512_store_si512(rows[3], _mm512_unpackhi_epi64(t1, t3));
-      for (int c = 0; c < kBlock; ++c) {
-        const int64_t n = b * kBlock + c;
-        if (n >= n_end) break;
-        std::memcpy(dense + (n - n_first) * k + s * kStep, &rows[c % 4][(c / 4) * kStep],
-                    16);
+      for (int c = 0; c < kBlock && b * kBlock + c < n_out; ++c)
+        std::memcpy(dense + (b * kBlock + c) * k + s * kStep,
+                    &rows[c % 4][(c / 4) * kStep], 16);
+    }
+  }
+}
+
+// y = x @ dense^T for calls of thousands of rows: the whole weight
+// dequantized into a buffer this thread keeps (the largest weight it has run
+// so far; layers run one after another), then torch's 16-bit GEMM, whose
+// blocking beats `amx_pairs` once the dequantization is spread over that
+// many rows.
+at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight,
+                      const at::Tensor& scales, const at::Tensor& offsets,
+                      int64_t n_out) {
+  const int64_t k = x.size(1), steps = weight.size(1), groups = scales.size(1);
+  thread_local at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < n_out * k)
+    buffer = at::empty({n_out * k}, x.options());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.numel() > 0 ? offsets.data_ptr<float>() : nullptr;
+  auto* dp = reinterpret_cast<uint16_t*>(buffer.data_ptr());
+  at::parallel_for(0, (n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      dequantize_block(wp, sp, op, b, steps, groups, n_out, dp);
+  });
+  return at::linear(x, buffer.narrow(0, 0, n_out * k).view({n_out, k}));
+}
+
+// AMX: tiles 0-1 hold 32 rows of x (16 each, 32 inputs), 2-3 two blocks of
+// the weight dequantized (16 input pairs x 16 channels), 4-7 the products.
+constexpr int64_t kTileInputs = 32;
+constexpr int64_t kTileRows = 16;
+// From this many rows (on AMX CPUs) dequantizing the whole weight and running
+// torch's GEMM (`dense_gemm`) is faster than `amx_pairs`: about even at 512
+// rows, 1.2-1.6x faster at 2048 on the FFN shapes of both presets.
+constexpr int64_t kDenseMinRows = 1024;
+#define O3_AMX \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The CPU has AMX-BF16 and the kernel lets this process use its tiles.
+bool amx_ready() {
+  static const bool ready = [] {
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
+    const bool tile = edx & (1u << 24), bf16 = edx & (1u << 22);
+    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;  // asm/prctl.h
+    return tile && bf16 && syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+  }();
+  return ready;
+}
+
+// Output blocks 2 p and 2 p + 1 for every row: both blocks
+// dequantized into `b_tiles` (tile t of block i at (i * k / 32 + t) * 512
+// values), then 32 rows at a time through the tiles; a last partial tile of
+// rows comes from `tail` (those rows, then zeros).
+O3_AMX void amx_block_pair(const uint16_t* x, int64_t rows, const uint16_t* tail,
+                           int64_t k, const uint16_t* weight,
+                           const float* scales, const float* offsets, int64_t steps,
+                           int64_t groups, int64_t p, uint16_t* b_tiles, uint16_t* y,
+                           int64_t n_out) {
+  const int64_t k_tiles = k / kTileInputs, steps_per_group = steps / groups;
+  for (int i = 0; i < 2; ++i) {
+    const int64_t b = 2 * p + i;
+    for (int64_t g = 0; g < groups; ++g) {
+      const LaneParams params = lane_params(scales, offsets, b * groups + g);
+      for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
+        __m512i pairs[4];
+        dequantize_step(weight + (b * steps + s) * 32, params, pairs);
+        uint16_t* tile = b_tiles + (i * k_tiles + s / 4) * kTileRows * 32;
+        for (int j = 0; j < 4; ++j)
+          _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
+      }
+    }
+  }
+  alignas(64) float c[4][kTileRows][kBlock];
+  for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
+    const int64_t count = std::min(2 * kTileRows, rows - m0);
+    const uint16_t* a = count < 2 * kTileRows ? tail : x + m0 * k;
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (int64_t t = 0; t < k_tiles; ++t) {
+      _tile_loadd(0, a + t * kTileInputs, k * 2);
+      _tile_loadd(1, a + kTileRows * k + t * kTileInputs, k * 2);
+      _tile_loadd(2, b_tiles + t * kTileRows * 32, 64);
+      _tile_loadd(3, b_tiles + (k_tiles + t) * kTileRows * 32, 64);
+      _tile_dpbf16ps(4, 0, 2);
+      _tile_dpbf16ps(5, 0, 3);
+      _tile_dpbf16ps(6, 1, 2);
+      _tile_dpbf16ps(7, 1, 3);
+    }
+    _tile_stored(4, c[0], 64);
+    _tile_stored(5, c[1], 64);
+    _tile_stored(6, c[2], 64);
+    _tile_stored(7, c[3], 64);
+    for (int64_t r = 0; r < count; ++r) {
+      for (int i = 0; i < 2; ++i) {
+        const int64_t n = (2 * p + i) * kBlock;
+        if (n >= n_out) break;
+        const __mmask16 keep = n + kBlock <= n_out
+                                   ? static_cast<__mmask16>(0xFFFF)
+                                   : static_cast<__mmask16>((1u << (n_out - n)) - 1);
+        const __m512 values = _mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]);
+        _mm256_mask_storeu_epi16(y + (m0 + r) * n_out + n, keep,
+                                 (__m256i)_mm512_cvtneps_pbh(values));
       }
     }
   }
 }
 
-// Output channels [n_first, n_end) (n_first a multiple of 16) into dense.
-void dequantize_into(const at::Tensor& weight, const at::Tensor& scales,
-                     const at::Tensor& offsets, int64_t n_first, int64_t n_end,
-                     at::Tensor& dense) {
-  const int64_t steps = weight.size(1), groups = scales.size(1);
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = offsets.numel() > 0 ? offsets.data_ptr<float>() : nullptr;
-  auto* dp = reinterpret_cast<uint16_t*>(dense.data_ptr());
-  // A block is 16 x k values; a few blocks per thread at least.
-  at::parallel_for(n_first / kBlock, (n_end + kBlock - 1) / kBlock,
-                   std::max<int64_t>(1, 16384 / (steps * kStep)),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t b = begin; b < end; ++b)
-                       dequantize_block(wp, sp, op, b, steps, groups, n_first, n_end, dp);
-                   });
-}
-
-at::Tensor int4_dequantize(const at::Tensor& weight, const at::Tensor& scales,
-                           const at::Tensor& offsets, int64_t n_out) {
-  const int64_t k = weight.dim() == 3 ? weight.size(1) * kStep : 0;
-  check_weight("int4_dequantize", weight, scales, offsets, n_out, k);
-  at::Tensor dense = at::empty({n_out, k}, weight.options().dtype(at::kBFloat16));
-  dequantize_into(weight, scales, offsets, 0, n_out, dense);
-  return dense;
+// Block pairs [begin, end) on this thread (tile state is per thread).
+O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* x, int64_t rows,
+                      int64_t k, const uint16_t* weight, const float* scales,
+                      const float* offsets, int64_t steps, int64_t groups, uint16_t* y,
+                      int64_t n_out) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  std::vector<uint16_t> b_tiles(2 * k * kBlock);
+  std::vector<uint16_t> tail(2 * kTileRows * k, 0);
+  const int64_t full = rows / (2 * kTileRows) * (2 * kTileRows);
+  if (full < rows) std::memcpy(tail.data(), x + full * k, (rows - full) * k * sizeof(uint16_t));
+  for (int64_t p = begin; p < end; ++p)
+    amx_block_pair(x, rows, tail.data(), k, weight, scales, offsets, steps, groups, p,
+                   b_tiles.data(), y, n_out);
+  _tile_release();
 }
 
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
                      const at::Tensor& scales, const at::Tensor& offsets,
-                     int64_t n_out, int64_t dense_min_rows) {
+                     int64_t n_out, int64_t amx_min_rows) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "int4_gemm: x must be a contiguous 2-D bfloat16 tensor");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -260,33 +391,30 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const int64_t blocks = weight.size(0), steps = weight.size(1);
   const bool has_offsets = offsets.numel() > 0;
 
-  if (dense_min_rows > 0 && rows >= dense_min_rows) {
-    // Dequantized once per call into a buffer this thread keeps (the
-    // largest weight it has run so far; layers run one after another), then
-    // torch's 16-bit GEMM. Tried and dropped: chunks of output channels that
-    // stay in L2, one GEMM each (the calls' overhead made it slower).
-    thread_local at::Tensor buffer;
-    if (!buffer.defined() || buffer.numel() < n_out * k)
-      buffer = at::empty({n_out * k}, x.options());
-    at::Tensor dense = buffer.narrow(0, 0, n_out * k).view({n_out, k});
-    dequantize_into(weight, scales, offsets, 0, n_out, dense);
-    return at::linear(x, dense);
-  }
-
+  if (amx_min_rows > 0 && rows >= kDenseMinRows && amx_ready())
+    return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
+  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (amx_min_rows > 0 && rows >= amx_min_rows && amx_ready()) {
+    // Threads split pairs of output blocks.
+    at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
+      amx_pairs(begin, end, reinterpret_cast<const uint16_t*>(xp), rows, k, wp, sp, op,
+                steps, groups, yp, n_out);
+    });
+    return y;
+  }
   at::Tensor sums;
   if (has_offsets) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
     group_sums(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, groups,
                sums.data_ptr<float>());
   }
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
-  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const float* sp = scales.data_ptr<float>();
-  const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
   const float* xs = has_offsets ? sums.data_ptr<float>() : nullptr;
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
   const int64_t tiles = blocks / kBlocksPerTile;
   const int64_t chunk = std::max(
       kMaxRowsPerTile,
@@ -318,8 +446,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
 
 TORCH_LIBRARY_FRAGMENT(o3_cpu, m) {
   m.def("int4_gemm(Tensor x, Tensor weight, Tensor scales, Tensor offsets, int n_out, "
-        "int dense_min_rows) -> Tensor");
+        "int amx_min_rows) -> Tensor");
   m.impl("int4_gemm", c10::DispatchKey::CPU, TORCH_FN(int4_gemm));
-  m.def("int4_dequantize(Tensor weight, Tensor scales, Tensor offsets, int n_out) -> Tensor");
-  m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(int4_dequantize));
+  m.def("amx_ready() -> bool");
+  m.impl("amx_ready", c10::DispatchKey::CatchAll, TORCH_FN(amx_ready));
 }
