@@ -391,7 +391,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const int64_t blocks = weight.size(0), steps = weight.size(1);
   const bool has_offsets = offsets.numel() > 0;
 
-  if (amx_min_rows > 0 && rows >= kDenseMinRows && amx_ready())
+  if (amx_min_rows > 0 && rows >= std::max(amx_min_rows, kDenseMinRows) && amx_ready())
     return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
