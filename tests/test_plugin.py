@@ -57,3 +57,15 @@ def test_vllms_queues_poll_without_sched_yield_on_cpu_unless_kept(keep):
         capture_output=True, text=True, check=True, env=env,
     )  # fmt: skip
     assert result.stdout.split()[-1] == expected, result.stdout
+
+
+def test_vllms_queues_poll_through_the_switch_the_plugin_sets():
+    # The plugin's setting only works while vLLM's shared-memory queues call
+    # `vllm.distributed.utils.sched_yield`, which reads USE_SCHED_YIELD.
+    import inspect
+
+    from vllm.distributed import utils
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    assert shm_broadcast.sched_yield is utils.sched_yield
+    assert "USE_SCHED_YIELD" in inspect.getsource(utils.sched_yield)

@@ -91,6 +91,15 @@ def poll_without_sched_yield() -> None:
         return
     from vllm.distributed import utils
 
+    if not hasattr(utils, "USE_SCHED_YIELD"):
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning_once(
+            "vllm.distributed.utils has no USE_SCHED_YIELD in this vLLM: its "
+            "queues keep polling with sched_yield, which can starve the API "
+            "server on CPU (docs/reliability.md)."
+        )
+        return
     utils.USE_SCHED_YIELD = False
 
 
