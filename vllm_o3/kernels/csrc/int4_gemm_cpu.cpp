@@ -218,32 +218,45 @@ O3_AVX512_BF16 inline void dequantize_step(const uint16_t* words_ptr, const Lane
   }
 }
 
-// Output block b of the weight, dequantized, into rows of dense [n_out, k].
-O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales,
-                                     const float* offsets, int64_t b, int64_t steps,
-                                     int64_t groups, int64_t n_out, uint16_t* dense) {
-  const int64_t k = steps * kStep, steps_per_group = steps / groups;
+// Every step s of output block b, dequantized: store(s, pairs) with pairs as
+// `dequantize_step` gives them.
+template <typename Store>
+O3_AVX512_BF16 inline void dequantize_steps(const uint16_t* weight, const float* scales,
+                                            const float* offsets, int64_t b,
+                                            int64_t steps, int64_t groups, Store&& store) {
+  const int64_t steps_per_group = steps / groups;
   for (int64_t g = 0; g < groups; ++g) {
     const LaneParams params = lane_params(scales, offsets, b * groups + g);
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
       __m512i pairs[4];
       dequantize_step(weight + (b * steps + s) * 32, params, pairs);
-      // Transpose 4 x 16 words so that each 128-bit lane holds one channel's
-      // 8 inputs: lane l of rows[i] is channel 4 l + i.
-      const __m512i t0 = _mm512_unpacklo_epi32(pairs[0], pairs[1]);
-      const __m512i t1 = _mm512_unpackhi_epi32(pairs[0], pairs[1]);
-      const __m512i t2 = _mm512_unpacklo_epi32(pairs[2], pairs[3]);
-      const __m512i t3 = _mm512_unpackhi_epi32(pairs[2], pairs[3]);
-      alignas(64) uint16_t rows[4][32];
-      _mm512_store_si512(rows[0], _mm512_unpacklo_epi64(t0, t2));
-      _mm512_store_si512(rows[1], _mm512_unpackhi_epi64(t0, t2));
-      _mm512_store_si512(rows[2], _mm512_unpacklo_epi64(t1, t3));
-      _mm512_store_si512(rows[3], _mm512_unpackhi_epi64(t1, t3));
-      for (int c = 0; c < kBlock && b * kBlock + c < n_out; ++c)
-        std::memcpy(dense + (b * kBlock + c) * k + s * kStep,
-                    &rows[c % 4][(c / 4) * kStep], 16);
+      store(s, pairs);
     }
   }
+}
+
+// Output block b of the weight, dequantized, into rows of dense [n_out, k].
+O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales,
+                                     const float* offsets, int64_t b, int64_t steps,
+                                     int64_t groups, int64_t n_out, uint16_t* dense) {
+  const int64_t k = steps * kStep;
+  // Transpose 4 x 16 words so that each 128-bit lane holds one channel's 8
+  // inputs (lane l of rows[i] is channel 4 l + i), then copy them out.
+  const auto to_rows = [&](int64_t s, const __m512i* pairs) O3_AVX512_BF16 {
+    const __m512i t0 = _mm512_unpacklo_epi32(pairs[0], pairs[1]);
+    const __m512i t1 = _mm512_unpackhi_epi32(pairs[0], pairs[1]);
+    const __m512i t2 = _mm512_unpacklo_epi32(pairs[2], pairs[3]);
+    const __m512i t3 = _mm512_unpackhi_epi32(pairs[2], pairs[3]);
+    alignas(64) uint16_t rows[4][32];
+    _mm512_store_si512(rows[0], _mm512_unpacklo_epi64(t0, t2));
+    _mm512_store_si512(rows[1], _mm512_unpackhi_epi64(t0, t2));
+    _mm512_store_si512(rows[2], _mm512_unpacklo_epi64(t1, t3));
+    _mm512_store_si512(rows[3], _mm512_unpackhi_epi64(t1, t3));
+    for (int c = 0; c < kBlock && b * kBlock + c < n_out; ++c)
+      std::memcpy(dense + (b * kBlock + c) * k + s * kStep,
+                  &rows[c % 4][(c / 4) * kStep], 16);
+  };
+  dequantize_steps(weight, scales, offsets, b, steps, groups, to_rows);
 }
 
 // y = x @ dense^T for calls of thousands of rows: the whole weight
@@ -309,19 +322,14 @@ O3_AMX void amx_block_pair(const uint16_t* x, int64_t rows, const uint16_t* tail
                            const float* scales, const float* offsets, int64_t steps,
                            int64_t groups, int64_t p, uint16_t* b_tiles, uint16_t* y,
                            int64_t n_out) {
-  const int64_t k_tiles = k / kTileInputs, steps_per_group = steps / groups;
+  const int64_t k_tiles = k / kTileInputs;
   for (int i = 0; i < 2; ++i) {
-    const int64_t b = 2 * p + i;
-    for (int64_t g = 0; g < groups; ++g) {
-      const LaneParams params = lane_params(scales, offsets, b * groups + g);
-      for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-        __m512i pairs[4];
-        dequantize_step(weight + (b * steps + s) * 32, params, pairs);
-        uint16_t* tile = b_tiles + (i * k_tiles + s / 4) * kTileRows * 32;
-        for (int j = 0; j < 4; ++j)
-          _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
-      }
-    }
+    const auto to_tiles = [&](int64_t s, const __m512i* pairs) O3_AVX512_BF16 {
+      uint16_t* tile = b_tiles + (i * k_tiles + s / 4) * kTileRows * 32;
+      for (int j = 0; j < 4; ++j)
+        _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
+    };
+    dequantize_steps(weight, scales, offsets, 2 * p + i, steps, groups, to_tiles);
   }
   alignas(64) float c[4][kTileRows][kBlock];
   for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
@@ -395,7 +403,7 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
     return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr());
+  const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
@@ -403,17 +411,17 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   if (amx_min_rows > 0 && rows >= amx_min_rows && amx_ready()) {
     // Threads split pairs of output blocks.
     at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
-      amx_pairs(begin, end, reinterpret_cast<const uint16_t*>(xp), rows, k, wp, sp, op,
-                steps, groups, yp, n_out);
+      amx_pairs(begin, end, x16, rows, k, wp, sp, op, steps, groups, yp, n_out);
     });
     return y;
   }
   at::Tensor sums;
   if (has_offsets) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
-    group_sums(reinterpret_cast<const uint16_t*>(x.data_ptr()), rows, k, groups,
-               sums.data_ptr<float>());
+    group_sums(x16, rows, k, groups, sums.data_ptr<float>());
   }
+  // Pairs of bfloat16 inputs, as the dot products take them.
+  const auto* xp = reinterpret_cast<const uint32_t*>(x16);
   const float* xs = has_offsets ? sums.data_ptr<float>() : nullptr;
   const int64_t tiles = blocks / kBlocksPerTile;
   const int64_t chunk = std::max(
