@@ -38,7 +38,7 @@ SHAPES = {  # (out, in)
     "135m gate_up": (3072, 576),
     "135m down": (576, 1536),
 }
-ROWS = (1, 4, 8, 16, 64, 256, 512, 2048)  # plus both sides of the fallback's switch
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)  # plus both sides of the fallback's switch
 
 
 def dense_linear(weight: torch.Tensor, packed):
@@ -115,8 +115,10 @@ def main() -> None:
     cpu_int4_gemm.unavailable_reason()  # loads the kernels, sets AMX_MIN_ROWS
     amx = cpu_int4_gemm.AMX_MIN_ROWS > 0
     path = (
-        f"below {cpu_int4_gemm.AMX_MIN_ROWS} rows, on AMX tiles from there, "
-        "and from 1024 rows dequantizes the weight and runs torch's 16-bit GEMM"
+        f"below {cpu_int4_gemm.AMX_MIN_ROWS} rows, on AMX tiles from there "
+        "(the 4-bit values on the tiles and the group scales on their products "
+        "below 64 rows, the dequantized weight from 64), and from 1024 rows "
+        "dequantizes the weight and runs torch's 16-bit GEMM"
         if amx
         else "at every row count (no AMX)"
     )

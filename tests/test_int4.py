@@ -124,7 +124,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 50, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 300])
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )
@@ -135,7 +135,9 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
     # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
     # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
     # the chunks of rows the kernel keeps in cache; with amx_min_rows 4, on a
-    # CPU with AMX, calls from 4 rows take the AMX path (partial 32-row tiles).
+    # CPU with AMX, calls from 4 rows take the AMX path: tiles of the call's
+    # rows (4, 5, 20 = 16 + 4), 32-row chunks with a partial last one (50),
+    # and from 64 rows the dequantized weight on the tiles (300).
     monkeypatch.setattr(cpu_int4_gemm, "AMX_MIN_ROWS", amx_min_rows)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)

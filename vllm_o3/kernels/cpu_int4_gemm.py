@@ -3,7 +3,7 @@
 It is the CPU kernel of `Int4Linear` wherever the CPU kernels run
 (`cpu_kernels`) and activations are bfloat16. On CPUs with AMX-BF16 (Intel
 from Sapphire Rapids) the same operation runs calls of `AMX_MIN_ROWS` rows
-or more on AMX tiles, the weight dequantized as the reference does it.
+or more on AMX tiles.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ OUTPUT_TILE = 64
 INPUT_STEP = 8
 # Rows from which `int4_gemm` runs on AMX tiles (0: never); set when the
 # kernels load, where the CPU has AMX-BF16 and the OS lets us use it. The AMX
-# path dequantizes the whole weight per call (into L2, a pair of 16-channel
-# blocks at a time), which costs more than the AVX512-BF16 GEMM below about
-# 8-16 rows and far less above (docs/bench_int4_linear.md).
+# path expands the whole weight per call (into L1, a group of a pair of
+# 16-channel blocks at a time), which costs more than the AVX512-BF16 GEMM
+# below about 4 rows and far less above (docs/bench_int4_linear.md).
 AMX_MIN_ROWS = 0
-AMX_CROSSOVER_ROWS = 16
+AMX_CROSSOVER_ROWS = 4
 
 
 @functools.cache

@@ -6,9 +6,9 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
   and expands them in registers once per tile of rows, so it is faster than
   a 16-bit GEMM at decode sizes; without AMX it stays about as fast as 16-bit
   up to thousands of rows. With AMX (Intel from Sapphire Rapids) vLLM's
-  16-bit GEMM runs on tiles and is many times faster from ~16 rows: there the
-  same operation runs such calls on AMX tiles too, each pair of 16-channel
-  blocks of the weight dequantized into L2 (`cpu_int4_gemm.AMX_MIN_ROWS`),
+  16-bit GEMM runs on tiles and is many times faster from a few rows: there
+  the same operation runs such calls on AMX tiles too, the weight expanded
+  per call a pair of 16-channel blocks at a time (`cpu_int4_gemm.AMX_MIN_ROWS`),
   and calls of 1024 rows or more as the whole weight dequantized into a
   buffer and that 16-bit GEMM.
   Either way from the 4-bit weight alone (half a byte per weight);

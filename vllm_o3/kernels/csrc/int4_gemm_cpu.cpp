@@ -15,11 +15,13 @@
 // with offset = (zero - 8) * scale (none for symmetric weights).
 //
 // Where the CPU has AMX-BF16 (`amx_ready`), whose 16-bit GEMM (vLLM's, on
-// tiles) is many times faster than dot products from ~16 rows, calls of
-// `amx_min_rows` rows or more run on AMX tiles instead, the weight dequantized
-// per call to the reference's bfloat16 values a pair of blocks at a time (into
-// L2), and calls of kDenseMinRows or more as the whole weight dequantized and
-// torch's GEMM (docs/bench_int4_linear.md).
+// tiles) is many times faster than dot products from a few rows, calls of
+// `amx_min_rows` rows or more run on AMX tiles instead, a pair of blocks at a
+// time: below kScaledMaxRows rows with the 4-bit values minus 8 on the tiles
+// and the sums above applied to each group's tile products
+// (`amx_scaled_block_pair`), from there with the weight dequantized to the
+// reference's bfloat16 values (`amx_block_pair`), and from kDenseMinRows as
+// the whole weight dequantized and torch's GEMM (docs/bench_int4_linear.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,6 +47,9 @@ constexpr int64_t kMaxRowsPerTile = 4;  // rows sharing each expanded weight
 // Rows whose inputs stay in L2 while a thread runs its output tiles over them.
 constexpr int64_t kChunkBytes = 384 * 1024;
 
+// q - 8 in bfloat16 for a 4-bit q, looked up by VPERMW from a word shifted
+// right to the nibble: the lookup reads five bits and the table repeats
+// after 16, so the next nibble's low bit needs no masking.
 O3_AVX512_BF16 inline __m512i nibble_table() {
   alignas(64) uint16_t table[32];
   for (int q = 0; q < 32; ++q) {
@@ -56,6 +61,15 @@ O3_AVX512_BF16 inline __m512i nibble_table() {
   return _mm512_load_si512(table);
 }
 
+// Outputs n to n + 15 of a row as bfloat16, those from n_out on left out.
+O3_AVX512_BF16 inline void store_block(__m512 values, int64_t n, int64_t n_out,
+                                       uint16_t* y_row) {
+  const __mmask16 keep = n + kBlock <= n_out
+                             ? static_cast<__mmask16>(0xFFFF)
+                             : static_cast<__mmask16>((1u << (n_out - n)) - 1);
+  _mm256_mask_storeu_epi16(y_row + n, keep, (__m256i)_mm512_cvtneps_pbh(values));
+}
+
 // Rows [m0, m0 + ROWS) x output blocks [b0, b0 + kBlocksPerTile).
 template <int ROWS, bool OFFSETS>
 O3_AVX512_BF16 void gemm_tile(
@@ -63,7 +77,6 @@ O3_AVX512_BF16 void gemm_tile(
     const float* scales, const float* offsets, const float* x_sums,
     int64_t steps, int64_t groups, int64_t b0, uint16_t* y, int64_t n_out) {
   const __m512i table = nibble_table();
-  const __m512i low = _mm512_set1_epi16(0x000F);
   const int64_t steps_per_group = steps / groups;
   __m512 acc[ROWS][kBlocksPerTile];
   for (int m = 0; m < ROWS; ++m)
@@ -80,8 +93,8 @@ O3_AVX512_BF16 void gemm_tile(
       for (int j = 0; j < 4; ++j) {
         __m512bh w[kBlocksPerTile];
         for (int b = 0; b < kBlocksPerTile; ++b)
-          w[b] = (__m512bh)_mm512_permutexvar_epi16(
-              _mm512_and_si512(_mm512_srli_epi16(words[b], 4 * j), low), table);
+          w[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words[b], 4 * j),
+                                                     table);
         for (int m = 0; m < ROWS; ++m) {
           const __m512bh xs = (__m512bh)_mm512_set1_epi32(
               static_cast<int>(x[(m0 + m) * x_pairs + s * 4 + j]));
@@ -108,11 +121,7 @@ O3_AVX512_BF16 void gemm_tile(
     for (int b = 0; b < kBlocksPerTile; ++b) {
       const int64_t n = (b0 + b) * kBlock;
       if (n >= n_out) break;
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(acc[m][b]);
-      const __mmask16 keep = n + kBlock <= n_out
-                                 ? static_cast<__mmask16>(0xFFFF)
-                                 : static_cast<__mmask16>((1u << (n_out - n)) - 1);
-      _mm256_mask_storeu_epi16(y + (m0 + m) * n_out + n, keep, out);
+      store_block(acc[m][b], n, n_out, y + (m0 + m) * n_out);
     }
   }
 }
@@ -218,6 +227,16 @@ O3_AVX512_BF16 inline void dequantize_step(const uint16_t* words_ptr, const Lane
   }
 }
 
+// One step of a block as 4-bit values minus 8 (exact in bfloat16), laid out
+// as `dequantize_step` lays it out: the group's scale and offset apply to the
+// tile products instead (`amx_scaled_block_pair`).
+O3_AVX512_BF16 inline void expand_step(const uint16_t* words_ptr, __m512i table,
+                                       __m512i pairs[4]) {
+  const __m512i words = _mm512_loadu_si512(words_ptr);
+  for (int j = 0; j < 4; ++j)
+    pairs[j] = _mm512_permutexvar_epi16(_mm512_srli_epi16(words, 4 * j), table);
+}
+
 // Every step s of output block b, dequantized: store(s, pairs) with pairs as
 // `dequantize_step` gives them.
 template <typename Store>
@@ -286,10 +305,15 @@ at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight,
 // the weight dequantized (16 input pairs x 16 channels), 4-7 the products.
 constexpr int64_t kTileInputs = 32;
 constexpr int64_t kTileRows = 16;
+constexpr int64_t kTileValues = kTileRows * kTileInputs;
 // From this many rows (on AMX CPUs) dequantizing the whole weight and running
 // torch's GEMM (`dense_gemm`) is faster than `amx_pairs`: about even at 512
 // rows, 1.2-1.6x faster at 2048 on the FFN shapes of both presets.
 constexpr int64_t kDenseMinRows = 1024;
+// Below this many rows `amx_scaled_block_pair` runs, from it `amx_block_pair`
+// (whose cheaper tile loop wins once the dequantization is spread over the
+// rows): about even at 64 rows on the FFN shapes of both presets.
+constexpr int64_t kScaledMaxRows = 64;
 #define O3_AMX \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -313,11 +337,18 @@ bool amx_ready() {
   return ready;
 }
 
+// Step s of a block as four B-tile rows (`pairs`) into its tiles, tile t
+// at `tiles` + t * 512 values.
+O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m512i* pairs) {
+  uint16_t* tile = tiles + (s / 4) * kTileRows * 32;
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
+}
+
 // Output blocks 2 p and 2 p + 1 for every row: both blocks
 // dequantized into `b_tiles` (tile t of block i at (i * k / 32 + t) * 512
 // values), then 32 rows at a time through the tiles; a last partial tile of
-// rows comes from `tail` (those rows, then zeros).
-O3_AMX void amx_block_pair(const uint16_t* x, int64_t rows, const uint16_t* tail,
+// rows is padded with zeros (`pack_a_tiles`).
+O3_AMX void amx_block_pair(const uint16_t* a_tiles, int64_t rows,
                            int64_t k, const uint16_t* weight,
                            const float* scales, const float* offsets, int64_t steps,
                            int64_t groups, int64_t p, uint16_t* b_tiles, uint16_t* y,
@@ -325,23 +356,21 @@ O3_AMX void amx_block_pair(const uint16_t* x, int64_t rows, const uint16_t* tail
   const int64_t k_tiles = k / kTileInputs;
   for (int i = 0; i < 2; ++i) {
     const auto to_tiles = [&](int64_t s, const __m512i* pairs) O3_AVX512_BF16 {
-      uint16_t* tile = b_tiles + (i * k_tiles + s / 4) * kTileRows * 32;
-      for (int j = 0; j < 4; ++j)
-        _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
+      store_tile_rows(b_tiles + i * k_tiles * kTileRows * 32, s, pairs);
     };
     dequantize_steps(weight, scales, offsets, 2 * p + i, steps, groups, to_tiles);
   }
   alignas(64) float c[4][kTileRows][kBlock];
   for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
     const int64_t count = std::min(2 * kTileRows, rows - m0);
-    const uint16_t* a = count < 2 * kTileRows ? tail : x + m0 * k;
+    const uint16_t* a = a_tiles + m0 * k;
     _tile_zero(4);
     _tile_zero(5);
     _tile_zero(6);
     _tile_zero(7);
     for (int64_t t = 0; t < k_tiles; ++t) {
-      _tile_loadd(0, a + t * kTileInputs, k * 2);
-      _tile_loadd(1, a + kTileRows * k + t * kTileInputs, k * 2);
+      _tile_loadd(0, a + 2 * t * kTileValues, 64);
+      _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
       _tile_loadd(2, b_tiles + t * kTileRows * 32, 64);
       _tile_loadd(3, b_tiles + (k_tiles + t) * kTileRows * 32, 64);
       _tile_dpbf16ps(4, 0, 2);
@@ -357,35 +386,140 @@ O3_AMX void amx_block_pair(const uint16_t* x, int64_t rows, const uint16_t* tail
       for (int i = 0; i < 2; ++i) {
         const int64_t n = (2 * p + i) * kBlock;
         if (n >= n_out) break;
-        const __mmask16 keep = n + kBlock <= n_out
-                                   ? static_cast<__mmask16>(0xFFFF)
-                                   : static_cast<__mmask16>((1u << (n_out - n)) - 1);
-        const __m512 values = _mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]);
-        _mm256_mask_storeu_epi16(y + (m0 + r) * n_out + n, keep,
-                                 (__m256i)_mm512_cvtneps_pbh(values));
+        store_block(_mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]), n, n_out,
+                    y + (m0 + r) * n_out);
       }
     }
   }
 }
 
+// `amx_block_pair` for calls of fewer than kScaledMaxRows rows: the tiles
+// hold the weight's 4-bit values minus 8 (`expand_step`, a fifth of the
+// dequantization's instructions) and each group's products are scaled into
+// float32 sums `acc` (32 per row), as the AVX512-BF16 GEMM does; `x_sums`
+// are the rows' group sums (asymmetric weights only). Group by group, so
+// that a group's B tiles (`b_tiles`, 2 KB per 32 inputs) are expanded into
+// L1 and serve every row from there.
+O3_AMX void amx_scaled_block_pair(const uint16_t* a_tiles, int64_t rows, int64_t k,
+                                  const uint16_t* weight, const float* scales,
+                                  const float* offsets, const float* x_sums,
+                                  int64_t steps, int64_t groups, int64_t p,
+                                  uint16_t* b_tiles, float* acc, uint16_t* y,
+                                  int64_t n_out) {
+  const int64_t tiles_per_group = k / kTileInputs / groups;
+  const int64_t steps_per_group = steps / groups;
+  const __m512i table = nibble_table();
+  std::fill(acc, acc + rows * 2 * kBlock, 0.0f);
+  alignas(64) float c[4][kTileRows][kBlock];
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int i = 0; i < 2; ++i) {
+      for (int64_t s = 0; s < steps_per_group; ++s) {
+        __m512i pairs[4];
+        expand_step(weight + ((2 * p + i) * steps + g * steps_per_group + s) * 32, table,
+                    pairs);
+        store_tile_rows(b_tiles + i * tiles_per_group * kTileValues, s, pairs);
+      }
+    }
+    for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
+      const int64_t count = std::min(2 * kTileRows, rows - m0);
+      const bool both = count > kTileRows;  // rows in the second A tile
+      const uint16_t* a = a_tiles + m0 * k + 2 * g * tiles_per_group * kTileValues;
+      _tile_zero(4);
+      _tile_zero(5);
+      if (both) {
+        _tile_zero(6);
+        _tile_zero(7);
+      }
+      for (int64_t t = 0; t < tiles_per_group; ++t) {
+        _tile_loadd(0, a + 2 * t * kTileValues, 64);
+        _tile_loadd(2, b_tiles + t * kTileValues, 64);
+        _tile_loadd(3, b_tiles + (tiles_per_group + t) * kTileValues, 64);
+        _tile_dpbf16ps(4, 0, 2);
+        _tile_dpbf16ps(5, 0, 3);
+        if (both) {
+          _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
+          _tile_dpbf16ps(6, 1, 2);
+          _tile_dpbf16ps(7, 1, 3);
+        }
+      }
+      _tile_stored(4, c[0], 64);
+      _tile_stored(5, c[1], 64);
+      if (both) {
+        _tile_stored(6, c[2], 64);
+        _tile_stored(7, c[3], 64);
+      }
+      for (int i = 0; i < 2; ++i) {
+        const int64_t index = (2 * p + i) * groups + g;
+        const __m512 scale = _mm512_loadu_ps(scales + index * kBlock);
+        for (int64_t r = 0; r < count; ++r) {
+          float* sums = acc + ((m0 + r) * 2 + i) * kBlock;
+          __m512 sum = _mm512_fmadd_ps(
+              _mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]), scale,
+              _mm512_loadu_ps(sums));
+          if (offsets != nullptr)
+            sum = _mm512_fnmadd_ps(_mm512_loadu_ps(offsets + index * kBlock),
+                                   _mm512_set1_ps(x_sums[(m0 + r) * groups + g]), sum);
+          _mm512_storeu_ps(sums, sum);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < 2; ++i) {
+      const int64_t n = (2 * p + i) * kBlock;
+      if (n >= n_out) break;
+      store_block(_mm512_loadu_ps(acc + (r * 2 + i) * kBlock), n, n_out, y + r * n_out);
+    }
+  }
+}
+
+// x as A tiles, each 16 rows x 32 inputs in 1 KB of its own: tiles 2 t and
+// 2 t + 1 of a chunk of 32 rows hold its inputs [32 t, 32 t + 32), the chunk
+// at a_tiles + m0 * k; rows past the last are zeros. Loaded at x's own stride
+// (2 k bytes, 4 KB for 2048 inputs) a tile's 16 rows fall into one set of
+// the L1 cache; packed, they are 16 consecutive cache lines.
+std::vector<uint16_t> pack_a_tiles(const uint16_t* x, int64_t rows, int64_t k) {
+  const int64_t chunks = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+  std::vector<uint16_t> a_tiles(chunks * 2 * kTileRows * k, 0);
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t half = m / kTileRows;  // tile row block: chunk * 2 + which tile
+    uint16_t* chunk = a_tiles.data() + (half / 2) * 2 * kTileRows * k;
+    for (int64_t t = 0; t < k / kTileInputs; ++t)
+      std::memcpy(chunk + ((2 * t + half % 2) * kTileRows + m % kTileRows) * kTileInputs,
+                  x + m * k + t * kTileInputs, kTileInputs * sizeof(uint16_t));
+  }
+  return a_tiles;
+}
+
 // Block pairs [begin, end) on this thread (tile state is per thread).
-O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* x, int64_t rows,
+O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* a_tiles, int64_t rows,
                       int64_t k, const uint16_t* weight, const float* scales,
-                      const float* offsets, int64_t steps, int64_t groups, uint16_t* y,
-                      int64_t n_out) {
+                      const float* offsets, const float* x_sums, int64_t steps,
+                      int64_t groups, uint16_t* y, int64_t n_out) {
+  // A call of up to 32 rows (one chunk) gets A and C tiles of its rows: a
+  // TDPBF16PS takes time by rows. Tiles 0, 4, 5 hold the first 16 rows,
+  // 1, 6, 7 the next 16, 2 and 3 the weight.
+  const int64_t first = rows < 2 * kTileRows ? std::min(rows, kTileRows) : kTileRows;
+  const int64_t second = rows < 2 * kTileRows ? rows - first : kTileRows;
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
+    const int64_t tile_rows = t == 2 || t == 3 ? kTileRows
+                              : t == 0 || t == 4 || t == 5 ? first
+                                                           : second;
+    config.rows[t] = static_cast<uint8_t>(tile_rows);
+    config.colsb[t] = tile_rows > 0 ? 64 : 0;
   }
   _tile_loadconfig(&config);
   std::vector<uint16_t> b_tiles(2 * k * kBlock);
-  std::vector<uint16_t> tail(2 * kTileRows * k, 0);
-  const int64_t full = rows / (2 * kTileRows) * (2 * kTileRows);
-  if (full < rows) std::memcpy(tail.data(), x + full * k, (rows - full) * k * sizeof(uint16_t));
-  for (int64_t p = begin; p < end; ++p)
-    amx_block_pair(x, rows, tail.data(), k, weight, scales, offsets, steps, groups, p,
-                   b_tiles.data(), y, n_out);
+  std::vector<float> acc(rows * 2 * kBlock);
+  for (int64_t p = begin; p < end; ++p) {
+    if (rows < kScaledMaxRows)
+      amx_scaled_block_pair(a_tiles, rows, k, weight, scales, offsets, x_sums, steps,
+                            groups, p, b_tiles.data(), acc.data(), y, n_out);
+    else
+      amx_block_pair(a_tiles, rows, k, weight, scales, offsets, steps, groups, p,
+                     b_tiles.data(), y, n_out);
+  }
   _tile_release();
 }
 
@@ -399,8 +533,10 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const int64_t blocks = weight.size(0), steps = weight.size(1);
   const bool has_offsets = offsets.numel() > 0;
 
-  if (amx_min_rows > 0 && rows >= std::max(amx_min_rows, kDenseMinRows) && amx_ready())
-    return dense_gemm(x, weight, scales, offsets, n_out);
+  // The tiles take 32 inputs at a time, each group's in one tile row or more.
+  const bool amx = amx_min_rows > 0 && rows >= amx_min_rows &&
+                   (k / groups) % kTileInputs == 0 && amx_ready();
+  if (amx && rows >= kDenseMinRows) return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -408,21 +544,22 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  if (amx_min_rows > 0 && rows >= amx_min_rows && amx_ready()) {
-    // Threads split pairs of output blocks.
-    at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
-      amx_pairs(begin, end, x16, rows, k, wp, sp, op, steps, groups, yp, n_out);
-    });
-    return y;
-  }
   at::Tensor sums;
   if (has_offsets) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
     group_sums(x16, rows, k, groups, sums.data_ptr<float>());
   }
+  const float* xs = has_offsets ? sums.data_ptr<float>() : nullptr;
+  if (amx) {
+    const std::vector<uint16_t> a_tiles = pack_a_tiles(x16, rows, k);
+    // Threads split pairs of output blocks.
+    at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
+      amx_pairs(begin, end, a_tiles.data(), rows, k, wp, sp, op, xs, steps, groups, yp, n_out);
+    });
+    return y;
+  }
   // Pairs of bfloat16 inputs, as the dot products take them.
   const auto* xp = reinterpret_cast<const uint32_t*>(x16);
-  const float* xs = has_offsets ? sums.data_ptr<float>() : nullptr;
   const int64_t tiles = blocks / kBlocksPerTile;
   const int64_t chunk = std::max(
       kMaxRowsPerTile,
