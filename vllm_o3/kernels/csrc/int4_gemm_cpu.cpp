@@ -340,7 +340,7 @@ bool amx_ready() {
 // Step s of a block as four B-tile rows (`pairs`) into its tiles, tile t
 // at `tiles` + t * 512 values.
 O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m512i* pairs) {
-  uint16_t* tile = tiles + (s / 4) * kTileRows * 32;
+  uint16_t* tile = tiles + (s / 4) * kTileValues;
   for (int j = 0; j < 4; ++j) _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
 }
 
@@ -356,7 +356,7 @@ O3_AMX void amx_block_pair(const uint16_t* a_tiles, int64_t rows,
   const int64_t k_tiles = k / kTileInputs;
   for (int i = 0; i < 2; ++i) {
     const auto to_tiles = [&](int64_t s, const __m512i* pairs) O3_AVX512_BF16 {
-      store_tile_rows(b_tiles + i * k_tiles * kTileRows * 32, s, pairs);
+      store_tile_rows(b_tiles + i * k_tiles * kTileValues, s, pairs);
     };
     dequantize_steps(weight, scales, offsets, 2 * p + i, steps, groups, to_tiles);
   }
@@ -371,8 +371,8 @@ O3_AMX void amx_block_pair(const uint16_t* a_tiles, int64_t rows,
     for (int64_t t = 0; t < k_tiles; ++t) {
       _tile_loadd(0, a + 2 * t * kTileValues, 64);
       _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
-      _tile_loadd(2, b_tiles + t * kTileRows * 32, 64);
-      _tile_loadd(3, b_tiles + (k_tiles + t) * kTileRows * 32, 64);
+      _tile_loadd(2, b_tiles + t * kTileValues, 64);
+      _tile_loadd(3, b_tiles + (k_tiles + t) * kTileValues, 64);
       _tile_dpbf16ps(4, 0, 2);
       _tile_dpbf16ps(5, 0, 3);
       _tile_dpbf16ps(6, 1, 2);
