@@ -38,7 +38,8 @@ SHAPES = {  # (out, in)
     "135m gate_up": (3072, 576),
     "135m down": (576, 1536),
 }
-ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)  # plus both sides of the fallback's switch
+# Plus both sides of the fallback's switch.
+ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)
 
 
 def dense_linear(weight: torch.Tensor, packed):
