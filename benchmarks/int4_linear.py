@@ -38,7 +38,7 @@ SHAPES = {  # (out, in)
     "135m gate_up": (3072, 576),
     "135m down": (576, 1536),
 }
-# Plus both sides of the fallback's switch.
+# Plus both sides of the fallback's switch (SMALL_M_MAX, SMALL_M_MAX + 1).
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)
 
 
