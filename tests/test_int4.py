@@ -149,6 +149,19 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("group_size", [32, 128])
+def test_calls_whose_rows_outgrow_the_cache_equal_dequantized_matmul(sym, group_size):
+    # On AMX CPUs, x of 2 MB or more (600 rows x 2048 inputs) makes the
+    # kernel dequantize the weight in panels of 4 block pairs, the next one
+    # between the tile products of the last: 840 outputs are 28 pairs, so
+    # every thread count ends on a partial panel; 600 rows a partial chunk.
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(840, 2048, dtype=torch.bfloat16), group_size, sym)
+    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, 600)
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("sym", [True, False])
 def test_calls_of_thousands_of_rows_equal_dequantized_matmul(sym):
     # On AMX CPUs, the whole weight dequantized and torch's GEMM.
     torch.manual_seed(0)

@@ -20,8 +20,9 @@
 // time: below kScaledMaxRows rows with the 4-bit values minus 8 on the tiles
 // and the sums above applied to each group's tile products
 // (`amx_scaled_block_pair`), from there with the weight dequantized to the
-// reference's bfloat16 values (`amx_block_pair`), and from kDenseMinRows as
-// the whole weight dequantized and torch's GEMM (docs/bench_int4_linear.md).
+// reference's bfloat16 values (`PairDequantizer`, `amx_chunk_pair`), and from
+// kDenseMinRows as the whole weight dequantized and torch's GEMM
+// (docs/bench_int4_linear.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -310,10 +311,16 @@ constexpr int64_t kTileValues = kTileRows * kTileInputs;
 // torch's GEMM (`dense_gemm`) is faster than `amx_pairs`: about even at 512
 // rows, 1.2-1.6x faster at 2048 on the FFN shapes of both presets.
 constexpr int64_t kDenseMinRows = 1024;
-// Below this many rows `amx_scaled_block_pair` runs, from it `amx_block_pair`
-// (whose cheaper tile loop wins once the dequantization is spread over the
-// rows): about even at 64 rows on the FFN shapes of both presets.
+// Below this many rows `amx_scaled_block_pair` runs, from it the dequantized
+// weight (whose cheaper tile loop wins once the dequantization is spread over
+// the rows): about even at 64 rows on the FFN shapes of both presets.
 constexpr int64_t kScaledMaxRows = 64;
+// From kScaledMaxRows rows, where x takes a core's whole L2 (2 MB on Sapphire
+// and Emerald Rapids) or more, `amx_pairs` dequantizes block pairs into
+// panels of kPanelBytes (two pairs at least), two panels at a time; smaller x
+// was as fast or faster one pair at a time.
+constexpr int64_t kPanelMinXBytes = 2 * 1024 * 1024;
+constexpr int64_t kPanelBytes = 512 * 1024;
 #define O3_AMX \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -344,62 +351,95 @@ O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m
   for (int j = 0; j < 4; ++j) _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
 }
 
-// Output blocks 2 p and 2 p + 1 for every row: both blocks
-// dequantized into `b_tiles` (tile t of block i at (i * k / 32 + t) * 512
-// values), then 32 rows at a time through the tiles; a last partial tile of
-// rows is padded with zeros (`pack_a_tiles`).
-O3_AMX void amx_block_pair(const uint16_t* a_tiles, int64_t rows,
-                           int64_t k, const uint16_t* weight,
-                           const float* scales, const float* offsets, int64_t steps,
-                           int64_t groups, int64_t p, uint16_t* b_tiles, uint16_t* y,
-                           int64_t n_out) {
+// Block pairs [first, end) dequantized step by step into consecutive
+// `amx_chunk_pair` B tiles (a pair's tile t of block i at
+// ((pair - first) * 2 * k / 32 + i * k / 32 + t) * 512 values), so that the
+// next panel's dequantization can run between the tile products of this
+// one: the AVX-512 units work while the AMX unit goes through its queue.
+struct PairDequantizer {
+  const uint16_t* weight;
+  const float* scales;
+  const float* offsets;
+  int64_t steps, groups;
+  uint16_t* tiles = nullptr;
+  int64_t left = 0;       // steps still to dequantize
+  int64_t block = 0, s = 0;  // the next one
+  int64_t group_left = 0;    // steps before the next group's parameters
+  LaneParams params;
+
+  void start(int64_t first, int64_t end, uint16_t* into) {
+    tiles = into;
+    left = (end - first) * 2 * steps;
+    block = 2 * first;
+    s = 0;
+    group_left = 0;
+  }
+
+  O3_AVX512_BF16 void step() {
+    const int64_t steps_per_group = steps / groups;
+    if (group_left == 0) {
+      params = lane_params(scales, offsets, block * groups + s / steps_per_group);
+      group_left = steps_per_group;
+    }
+    --group_left;
+    __m512i pairs[4];
+    dequantize_step(weight + (block * steps + s) * 32, params, pairs);
+    store_tile_rows(tiles, s, pairs);
+    --left;
+    if (++s == steps) {
+      s = 0;
+      ++block;
+      tiles += steps / 4 * kTileValues;  // the block's k / 32 tiles
+    }
+  }
+};
+
+// Rows [m0, m0 + count) (one chunk of up to 32, at `a` in `pack_a_tiles`
+// layout; past count zeros) of output blocks 2 p and 2 p + 1, from the
+// pair's `PairDequantizer` tiles; `next` goes on `steps_per_tile` steps per
+// 32 inputs.
+O3_AMX void amx_chunk_pair(const uint16_t* a, int64_t m0, int64_t count, int64_t k,
+                           const uint16_t* b_tiles, int64_t p, uint16_t* y,
+                           int64_t n_out, PairDequantizer& next,
+                           int64_t steps_per_tile) {
   const int64_t k_tiles = k / kTileInputs;
-  for (int i = 0; i < 2; ++i) {
-    const auto to_tiles = [&](int64_t s, const __m512i* pairs) O3_AVX512_BF16 {
-      store_tile_rows(b_tiles + i * k_tiles * kTileValues, s, pairs);
-    };
-    dequantize_steps(weight, scales, offsets, 2 * p + i, steps, groups, to_tiles);
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t t = 0; t < k_tiles; ++t) {
+    _tile_loadd(0, a + 2 * t * kTileValues, 64);
+    _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
+    _tile_loadd(2, b_tiles + t * kTileValues, 64);
+    _tile_loadd(3, b_tiles + (k_tiles + t) * kTileValues, 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+    for (int64_t n = 0; n < steps_per_tile && next.left > 0; ++n) next.step();
   }
   alignas(64) float c[4][kTileRows][kBlock];
-  for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows) {
-    const int64_t count = std::min(2 * kTileRows, rows - m0);
-    const uint16_t* a = a_tiles + m0 * k;
-    _tile_zero(4);
-    _tile_zero(5);
-    _tile_zero(6);
-    _tile_zero(7);
-    for (int64_t t = 0; t < k_tiles; ++t) {
-      _tile_loadd(0, a + 2 * t * kTileValues, 64);
-      _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
-      _tile_loadd(2, b_tiles + t * kTileValues, 64);
-      _tile_loadd(3, b_tiles + (k_tiles + t) * kTileValues, 64);
-      _tile_dpbf16ps(4, 0, 2);
-      _tile_dpbf16ps(5, 0, 3);
-      _tile_dpbf16ps(6, 1, 2);
-      _tile_dpbf16ps(7, 1, 3);
-    }
-    _tile_stored(4, c[0], 64);
-    _tile_stored(5, c[1], 64);
-    _tile_stored(6, c[2], 64);
-    _tile_stored(7, c[3], 64);
-    for (int64_t r = 0; r < count; ++r) {
-      for (int i = 0; i < 2; ++i) {
-        const int64_t n = (2 * p + i) * kBlock;
-        if (n >= n_out) break;
-        store_block(_mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]), n, n_out,
-                    y + (m0 + r) * n_out);
-      }
+  _tile_stored(4, c[0], 64);
+  _tile_stored(5, c[1], 64);
+  _tile_stored(6, c[2], 64);
+  _tile_stored(7, c[3], 64);
+  for (int64_t r = 0; r < count; ++r) {
+    for (int i = 0; i < 2; ++i) {
+      const int64_t n = (2 * p + i) * kBlock;
+      if (n >= n_out) break;
+      store_block(_mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]), n, n_out,
+                  y + (m0 + r) * n_out);
     }
   }
 }
 
-// `amx_block_pair` for calls of fewer than kScaledMaxRows rows: the tiles
-// hold the weight's 4-bit values minus 8 (`expand_step`, a fifth of the
-// dequantization's instructions) and each group's products are scaled into
-// float32 sums `acc` (32 per row), as the AVX512-BF16 GEMM does; `x_sums`
-// are the rows' group sums (asymmetric weights only). Group by group, so
-// that a group's B tiles (`b_tiles`, 2 KB per 32 inputs) are expanded into
-// L1 and serve every row from there.
+// Output blocks 2 p and 2 p + 1 for calls of fewer than kScaledMaxRows rows,
+// without dequantizing the weight: the tiles hold its 4-bit values minus 8
+// (`expand_step`, a fifth of the dequantization's instructions) and each
+// group's products are scaled into float32 sums `acc` (32 per row), as the
+// AVX512-BF16 GEMM does; `x_sums` are the rows' group sums (asymmetric
+// weights only). Group by group, so that a group's B tiles (`b_tiles`, 2 KB
+// per 32 inputs) are expanded into L1 and serve every row from there.
 O3_AMX void amx_scaled_block_pair(const uint16_t* a_tiles, int64_t rows, int64_t k,
                                   const uint16_t* weight, const float* scales,
                                   const float* offsets, const float* x_sums,
@@ -510,15 +550,39 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* a_tiles, int64
     config.colsb[t] = tile_rows > 0 ? 64 : 0;
   }
   _tile_loadconfig(&config);
-  std::vector<uint16_t> b_tiles(2 * k * kBlock);
-  std::vector<float> acc(rows * 2 * kBlock);
-  for (int64_t p = begin; p < end; ++p) {
-    if (rows < kScaledMaxRows)
+  const int64_t pair_values = 2 * k * kBlock;
+  if (rows < kScaledMaxRows) {
+    std::vector<uint16_t> b_tiles(pair_values);
+    std::vector<float> acc(rows * 2 * kBlock);
+    for (int64_t p = begin; p < end; ++p)
       amx_scaled_block_pair(a_tiles, rows, k, weight, scales, offsets, x_sums, steps,
                             groups, p, b_tiles.data(), acc.data(), y, n_out);
-    else
-      amx_block_pair(a_tiles, rows, k, weight, scales, offsets, steps, groups, p,
-                     b_tiles.data(), y, n_out);
+  } else {
+    // Pairs in panels (kPanelBytes; one pair where x is under
+    // kPanelMinXBytes), each chunk of rows through a whole panel: a chunk of
+    // large x is then read from L2 once per panel rather than from memory
+    // once per pair. The next panel is dequantized between the tile products
+    // of this one.
+    const int64_t panel = rows * k * 2 < kPanelMinXBytes
+                              ? 1
+                              : std::max<int64_t>(2, kPanelBytes / (pair_values * 2));
+    std::vector<uint16_t> b_tiles(2 * std::min(panel, end - begin) * pair_values);
+    uint16_t* buffers[2] = {b_tiles.data(), b_tiles.data() + b_tiles.size() / 2};
+    PairDequantizer next{weight, scales, offsets, steps, groups};
+    next.start(begin, std::min(end, begin + panel), buffers[0]);
+    while (next.left > 0) next.step();
+    const int64_t chunks = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+    for (int64_t p0 = begin, i = 0; p0 < end; p0 += panel, i ^= 1) {
+      const int64_t p1 = std::min(end, p0 + panel);
+      next.start(p1, std::min(end, p1 + panel), buffers[i ^ 1]);
+      const int64_t calls = chunks * (p1 - p0), k_tiles = k / kTileInputs;
+      const int64_t per_tile = (next.left + calls * k_tiles - 1) / (calls * k_tiles);
+      for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows)
+        for (int64_t p = p0; p < p1; ++p)
+          amx_chunk_pair(a_tiles + m0 * k, m0, std::min(2 * kTileRows, rows - m0), k,
+                         buffers[i] + (p - p0) * pair_values, p, y, n_out, next, per_tile);
+      while (next.left > 0) next.step();
+    }
   }
   _tile_release();
 }
@@ -544,12 +608,14 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  // What the offsets multiply, where they apply to products rather than
+  // to the dequantized weight.
   at::Tensor sums;
-  if (has_offsets) {
+  if (has_offsets && !(amx && rows >= kScaledMaxRows)) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
     group_sums(x16, rows, k, groups, sums.data_ptr<float>());
   }
-  const float* xs = has_offsets ? sums.data_ptr<float>() : nullptr;
+  const float* xs = sums.defined() ? sums.data_ptr<float>() : nullptr;
   if (amx) {
     const std::vector<uint16_t> a_tiles = pack_a_tiles(x16, rows, k);
     // Threads split pairs of output blocks.
