@@ -124,7 +124,7 @@ needs_avx512_bf16 = pytest.mark.skipif(
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 300])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 70, 300])
 @pytest.mark.parametrize(
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )

@@ -351,6 +351,46 @@ O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m
   for (int j = 0; j < 4; ++j) _mm512_storeu_si512(tile + ((s % 4) * 4 + j) * 32, pairs[j]);
 }
 
+// x as A tiles of `tile_rows` rows x 32 inputs, each in tile_rows * 64
+// bytes of its own: tiles 2 t and 2 t + 1 of a chunk of 2 * tile_rows rows
+// hold its inputs [32 t, 32 t + 32), the chunk at values + m0 * k; rows past
+// the last are zeros. Loaded at x's own stride (2 k bytes, 4 KB for 2048
+// inputs) a tile's rows fall into one set of the L1 cache; packed, they are
+// consecutive cache lines.
+struct ATiles {
+  std::vector<uint16_t> values;
+  int64_t tile_rows;
+
+  ATiles(const uint16_t* x, int64_t rows, int64_t k, int64_t tile_rows)
+      : tile_rows(tile_rows) {
+    const int64_t chunk_rows = 2 * tile_rows;
+    values.assign((rows + chunk_rows - 1) / chunk_rows * chunk_rows * k, 0);
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t half = m / tile_rows;  // chunk * 2 + which of its tiles
+      uint16_t* row = values.data() + (half / 2) * chunk_rows * k +
+                      ((half % 2) * tile_rows + m % tile_rows) * kTileInputs;
+      for (int64_t t = 0; t < k / kTileInputs; ++t)
+        std::memcpy(row + 2 * t * tile_rows * kTileInputs, x + m * k + t * kTileInputs,
+                    kTileInputs * sizeof(uint16_t));
+    }
+  }
+  int64_t chunk_rows() const { return 2 * tile_rows; }
+  int64_t tile_values() const { return tile_rows * kTileInputs; }
+  const uint16_t* chunk(int64_t m0, int64_t k) const { return values.data() + m0 * k; }
+};
+
+// Rows per A tile for a call of `rows`. From kScaledMaxRows rows the 32-row
+// chunks are evened out, so that the last is not mostly padding, which a
+// TDPBF16PS pays for like rows (70 rows: 3 chunks of 24 rather than 32, 32
+// and 6 padded to 32). Below, 16: up to 32 rows the tiles are configured to
+// the call's rows, and `amx_scaled_block_pair` skips a last chunk's empty
+// second tile, which evened-out tiles measured slower than at 33-63 rows.
+int64_t a_tile_rows(int64_t rows) {
+  if (rows < kScaledMaxRows) return kTileRows;
+  const int64_t chunks = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+  return (rows + 2 * chunks - 1) / (2 * chunks);
+}
+
 // Block pairs [first, end) dequantized step by step into consecutive
 // `amx_chunk_pair` B tiles (a pair's tile t of block i at
 // ((pair - first) * 2 * k / 32 + i * k / 32 + t) * 512 values), so that the
@@ -394,22 +434,23 @@ struct PairDequantizer {
   }
 };
 
-// Rows [m0, m0 + count) (one chunk of up to 32, at `a` in `pack_a_tiles`
-// layout; past count zeros) of output blocks 2 p and 2 p + 1, from the
-// pair's `PairDequantizer` tiles; `next` goes on `steps_per_tile` steps per
-// 32 inputs.
-O3_AMX void amx_chunk_pair(const uint16_t* a, int64_t m0, int64_t count, int64_t k,
+// Rows [m0, m0 + count) (the chunk of `x` there; past count zeros) of output
+// blocks 2 p and 2 p + 1, from the pair's `PairDequantizer` tiles; `next`
+// goes on `steps_per_tile` steps per 32 inputs.
+O3_AMX void amx_chunk_pair(const ATiles& x, int64_t m0, int64_t count, int64_t k,
                            const uint16_t* b_tiles, int64_t p, uint16_t* y,
                            int64_t n_out, PairDequantizer& next,
                            int64_t steps_per_tile) {
-  const int64_t k_tiles = k / kTileInputs;
+  const int64_t k_tiles = k / kTileInputs, a_rows = x.tile_rows;
+  const int64_t a_values = x.tile_values();
+  const uint16_t* a = x.chunk(m0, k);
   _tile_zero(4);
   _tile_zero(5);
   _tile_zero(6);
   _tile_zero(7);
   for (int64_t t = 0; t < k_tiles; ++t) {
-    _tile_loadd(0, a + 2 * t * kTileValues, 64);
-    _tile_loadd(1, a + (2 * t + 1) * kTileValues, 64);
+    _tile_loadd(0, a + 2 * t * a_values, 64);
+    _tile_loadd(1, a + (2 * t + 1) * a_values, 64);
     _tile_loadd(2, b_tiles + t * kTileValues, 64);
     _tile_loadd(3, b_tiles + (k_tiles + t) * kTileValues, 64);
     _tile_dpbf16ps(4, 0, 2);
@@ -423,12 +464,14 @@ O3_AMX void amx_chunk_pair(const uint16_t* a, int64_t m0, int64_t count, int64_t
   _tile_stored(5, c[1], 64);
   _tile_stored(6, c[2], 64);
   _tile_stored(7, c[3], 64);
-  for (int64_t r = 0; r < count; ++r) {
-    for (int i = 0; i < 2; ++i) {
-      const int64_t n = (2 * p + i) * kBlock;
-      if (n >= n_out) break;
-      store_block(_mm512_load_ps(c[(r / kTileRows) * 2 + i][r % kTileRows]), n, n_out,
-                  y + (m0 + r) * n_out);
+  for (int h = 0; h < 2; ++h) {
+    for (int64_t r = 0; r < a_rows && h * a_rows + r < count; ++r) {
+      for (int i = 0; i < 2; ++i) {
+        const int64_t n = (2 * p + i) * kBlock;
+        if (n >= n_out) break;
+        store_block(_mm512_load_ps(c[h * 2 + i][r]), n, n_out,
+                    y + (m0 + h * a_rows + r) * n_out);
+      }
     }
   }
 }
@@ -439,7 +482,9 @@ O3_AMX void amx_chunk_pair(const uint16_t* a, int64_t m0, int64_t count, int64_t
 // group's products are scaled into float32 sums `acc` (32 per row), as the
 // AVX512-BF16 GEMM does; `x_sums` are the rows' group sums (asymmetric
 // weights only). Group by group, so that a group's B tiles (`b_tiles`, 2 KB
-// per 32 inputs) are expanded into L1 and serve every row from there.
+// per 32 inputs) are expanded into L1 and serve every row from there. x is
+// in `ATiles` of 16 rows (`a_tile_rows`): constant tile offsets, no divisions
+// by a tile's rows in the loops over rows, which cost 10-20 % here.
 O3_AMX void amx_scaled_block_pair(const uint16_t* a_tiles, int64_t rows, int64_t k,
                                   const uint16_t* weight, const float* scales,
                                   const float* offsets, const float* x_sums,
@@ -513,34 +558,15 @@ O3_AMX void amx_scaled_block_pair(const uint16_t* a_tiles, int64_t rows, int64_t
   }
 }
 
-// x as A tiles, each 16 rows x 32 inputs in 1 KB of its own: tiles 2 t and
-// 2 t + 1 of a chunk of 32 rows hold its inputs [32 t, 32 t + 32), the chunk
-// at a_tiles + m0 * k; rows past the last are zeros. Loaded at x's own stride
-// (2 k bytes, 4 KB for 2048 inputs) a tile's 16 rows fall into one set of
-// the L1 cache; packed, they are 16 consecutive cache lines.
-std::vector<uint16_t> pack_a_tiles(const uint16_t* x, int64_t rows, int64_t k) {
-  const int64_t chunks = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
-  std::vector<uint16_t> a_tiles(chunks * 2 * kTileRows * k, 0);
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t half = m / kTileRows;  // tile row block: chunk * 2 + which tile
-    uint16_t* chunk = a_tiles.data() + (half / 2) * 2 * kTileRows * k;
-    for (int64_t t = 0; t < k / kTileInputs; ++t)
-      std::memcpy(chunk + ((2 * t + half % 2) * kTileRows + m % kTileRows) * kTileInputs,
-                  x + m * k + t * kTileInputs, kTileInputs * sizeof(uint16_t));
-  }
-  return a_tiles;
-}
-
 // Block pairs [begin, end) on this thread (tile state is per thread).
-O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* a_tiles, int64_t rows,
+O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
                       int64_t k, const uint16_t* weight, const float* scales,
                       const float* offsets, const float* x_sums, int64_t steps,
                       int64_t groups, uint16_t* y, int64_t n_out) {
-  // A call of up to 32 rows (one chunk) gets A and C tiles of its rows: a
-  // TDPBF16PS takes time by rows. Tiles 0, 4, 5 hold the first 16 rows,
-  // 1, 6, 7 the next 16, 2 and 3 the weight.
-  const int64_t first = rows < 2 * kTileRows ? std::min(rows, kTileRows) : kTileRows;
-  const int64_t second = rows < 2 * kTileRows ? rows - first : kTileRows;
+  // A and C tiles of the rows they hold (`a_tile_rows`): tiles 0, 4, 5 the
+  // first half of each chunk, 1, 6, 7 the second, 2 and 3 the weight.
+  const int64_t first = rows < 2 * kTileRows ? std::min(rows, kTileRows) : x.tile_rows;
+  const int64_t second = rows < 2 * kTileRows ? rows - first : x.tile_rows;
   TileConfig config;
   for (int t = 0; t < 8; ++t) {
     const int64_t tile_rows = t == 2 || t == 3 ? kTileRows
@@ -555,8 +581,8 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* a_tiles, int64
     std::vector<uint16_t> b_tiles(pair_values);
     std::vector<float> acc(rows * 2 * kBlock);
     for (int64_t p = begin; p < end; ++p)
-      amx_scaled_block_pair(a_tiles, rows, k, weight, scales, offsets, x_sums, steps,
-                            groups, p, b_tiles.data(), acc.data(), y, n_out);
+      amx_scaled_block_pair(x.values.data(), rows, k, weight, scales, offsets, x_sums,
+                            steps, groups, p, b_tiles.data(), acc.data(), y, n_out);
   } else {
     // Pairs in panels (kPanelBytes; one pair where x is under
     // kPanelMinXBytes), each chunk of rows through a whole panel: a chunk of
@@ -571,15 +597,15 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const uint16_t* a_tiles, int64
     PairDequantizer next{weight, scales, offsets, steps, groups};
     next.start(begin, std::min(end, begin + panel), buffers[0]);
     while (next.left > 0) next.step();
-    const int64_t chunks = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+    const int64_t chunks = (rows + x.chunk_rows() - 1) / x.chunk_rows();
     for (int64_t p0 = begin, i = 0; p0 < end; p0 += panel, i ^= 1) {
       const int64_t p1 = std::min(end, p0 + panel);
       next.start(p1, std::min(end, p1 + panel), buffers[i ^ 1]);
       const int64_t calls = chunks * (p1 - p0), k_tiles = k / kTileInputs;
       const int64_t per_tile = (next.left + calls * k_tiles - 1) / (calls * k_tiles);
-      for (int64_t m0 = 0; m0 < rows; m0 += 2 * kTileRows)
+      for (int64_t m0 = 0; m0 < rows; m0 += x.chunk_rows())
         for (int64_t p = p0; p < p1; ++p)
-          amx_chunk_pair(a_tiles + m0 * k, m0, std::min(2 * kTileRows, rows - m0), k,
+          amx_chunk_pair(x, m0, std::min(x.chunk_rows(), rows - m0), k,
                          buffers[i] + (p - p0) * pair_values, p, y, n_out, next, per_tile);
       while (next.left > 0) next.step();
     }
@@ -617,10 +643,10 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   }
   const float* xs = sums.defined() ? sums.data_ptr<float>() : nullptr;
   if (amx) {
-    const std::vector<uint16_t> a_tiles = pack_a_tiles(x16, rows, k);
+    const ATiles a_tiles(x16, rows, k, a_tile_rows(rows));
     // Threads split pairs of output blocks.
     at::parallel_for(0, blocks / 2, 1, [&](int64_t begin, int64_t end) {
-      amx_pairs(begin, end, a_tiles.data(), rows, k, wp, sp, op, xs, steps, groups, yp, n_out);
+      amx_pairs(begin, end, a_tiles, rows, k, wp, sp, op, xs, steps, groups, yp, n_out);
     });
     return y;
   }
