@@ -22,9 +22,9 @@ OUTPUT_TILE = 64
 INPUT_STEP = 8
 # Rows from which `int4_gemm` runs on AMX tiles (0: never); set when the
 # kernels load, where the CPU has AMX-BF16 and the OS lets us use it. The AMX
-# path expands the whole weight per call (a pair of 16-channel blocks at a
-# time), which costs more than the AVX512-BF16 GEMM below about 4 rows and
-# far less above (docs/bench_int4_linear.md).
+# path expands the whole weight per call (pairs of 16-channel blocks at a
+# time, panels of them for large x), which costs more than the AVX512-BF16
+# GEMM below about 4 rows and far less above (docs/bench_int4_linear.md).
 AMX_MIN_ROWS = 0
 AMX_CROSSOVER_ROWS = 4
 
