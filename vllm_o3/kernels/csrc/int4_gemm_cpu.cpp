@@ -37,6 +37,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace {
@@ -592,8 +593,11 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
     const int64_t panel = rows * k * 2 < kPanelMinXBytes
                               ? 1
                               : std::max<int64_t>(2, kPanelBytes / (pair_values * 2));
-    std::vector<uint16_t> b_tiles(2 * std::min(panel, end - begin) * pair_values);
-    uint16_t* buffers[2] = {b_tiles.data(), b_tiles.data() + b_tiles.size() / 2};
+    // Uninitialised: every tile is dequantized into before it is read (a
+    // zero fill would write up to 1 MB per thread per call).
+    const int64_t buffer_values = std::min(panel, end - begin) * pair_values;
+    const std::unique_ptr<uint16_t[]> b_tiles(new uint16_t[2 * buffer_values]);
+    uint16_t* buffers[2] = {b_tiles.get(), b_tiles.get() + buffer_values};
     PairDequantizer next{weight, scales, offsets, steps, groups};
     next.start(begin, std::min(end, begin + panel), buffers[0]);
     while (next.left > 0) next.step();
@@ -634,10 +638,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // What the offsets multiply, where they apply to products rather than
-  // to the dequantized weight.
+  // Below kScaledMaxRows rows on AMX, and on the AVX-512 path, the offsets
+  // apply to products, which need each row's group sums; from it `amx_pairs`
+  // folds them into the dequantized weight.
+  const bool offsets_on_products = has_offsets && !(amx && rows >= kScaledMaxRows);
   at::Tensor sums;
-  if (has_offsets && !(amx && rows >= kScaledMaxRows)) {
+  if (offsets_on_products) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
     group_sums(x16, rows, k, groups, sums.data_ptr<float>());
   }
