@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq"]
     )
-    parser.add_argument("--calibration-windows", type=int, default=32)
+    parser.add_argument("--calibration-windows", type=int, default=128)
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -78,13 +78,12 @@ def main() -> None:
     inputs = (config.hidden_size, config.intermediate_size)
     groups = [g for g in GROUP_SIZES if all(n % g == 0 for n in inputs)]
     # The Hessians depend on the model and the calibration text only: once.
-    hessians = (
-        ffn_input_hessians(
-            args.model, calibration_windows(args.model, args.calibration_windows)
-        )
+    calibration = (
+        calibration_windows(args.model, args.calibration_windows)
         if "gptq" in args.methods
-        else None
+        else []
     )
+    hessians = ffn_input_hessians(args.model, calibration) if calibration else None
     # (label, engine options, offline (group size, symmetric, calibrated) or None)
     settings: list[tuple[str, dict, tuple[int, bool, bool] | None]] = [
         ("16-bit", {}, None),
@@ -136,7 +135,7 @@ def main() -> None:
         "bfloat16, vLLM eager mode; perplexity from vLLM's prompt "
         "log-probabilities, increase over 16-bit in brackets."
         + (
-            f" GPTQ: calibrated on {args.calibration_windows} windows of 512 tokens "
+            f" GPTQ: calibrated on {len(calibration)} windows of 512 tokens "
             "of the corpora's calibration split (disjoint from the held-out text)."
             if hessians
             else ""

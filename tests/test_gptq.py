@@ -11,21 +11,57 @@ from transformers import AutoModelForCausalLM
 import vllm_o3  # noqa: F401
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
-from vllm_o3.quantization.gptq import gptq_quantize
-from vllm_o3.quantization.int4_format import FFN_PROJECTIONS, dequantize, quantize
+from vllm_o3.quantization.gptq import gptq_quantize, refit_scales
+from vllm_o3.quantization.int4_format import (
+    FFN_PROJECTIONS,
+    SYMMETRIC_ZERO,
+    Int4Weight,
+    dequantize,
+    quantize,
+    unpack_int4,
+)
 from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
 
 
 @pytest.mark.parametrize("sym", [True, False])
-def test_with_uncorrelated_inputs_gptq_is_round_to_nearest(sym):
-    # An identity Hessian spreads no error: every column rounds on its own.
+def test_with_uncorrelated_inputs_gptq_rounds_to_nearest_and_fits_each_group(sym):
+    # An identity Hessian spreads no error: every column rounds on its own,
+    # and each group's scale becomes the least-squares fit to its values,
+    # sum(w (q - z)) / sum((q - z)^2).
     torch.manual_seed(0)
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
     gptq = gptq_quantize(weight, torch.eye(128), 32, sym)
     rtn = quantize(weight, 32, sym)
     assert torch.equal(gptq.qweight, rtn.qweight)
-    assert torch.equal(gptq.scales, rtn.scales)
     assert sym or torch.equal(gptq.qzeros, rtn.qzeros)
+    codes = dequantize(Int4Weight(rtn.qweight, torch.ones_like(rtn.scales), rtn.qzeros))
+    w, codes = weight.float().reshape(64, 4, 32), codes.float().reshape(64, 4, 32)
+    fit = ((w * codes).sum(-1) / codes.pow(2).sum(-1)).t()
+    torch.testing.assert_close(gptq.scales.float(), fit, rtol=8e-3, atol=0)
+    assert not torch.equal(gptq.scales, rtn.scales)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_refitted_scales_are_each_channels_least_squares_fit(sym):
+    """Against torch's least squares on the inputs themselves: per output
+    channel, min over its group scales of |X (w - A s)| where column g of A
+    holds the group's values minus its zero point."""
+    torch.manual_seed(2)
+    weight = torch.randn(16, 96)
+    x = torch.randn(512, 8) @ torch.randn(8, 96) + 0.2 * torch.randn(512, 96)
+    rtn = quantize(weight, 32, sym)
+    q = unpack_int4(rtn.qweight, dim=0).float()  # [in, out]
+    zeros = (
+        torch.full_like(rtn.scales, SYMMETRIC_ZERO)
+        if sym
+        else unpack_int4(rtn.qzeros, dim=1).float()
+    )
+    fitted = refit_scales(weight, x.t() @ x, q, zeros, rtn.scales.float())
+    codes = (q - zeros.repeat_interleave(32, dim=0)).t()  # [out, in]
+    for o in range(16):
+        a = torch.block_diag(*codes[o].reshape(3, 32, 1))  # [in, groups]
+        want = torch.linalg.lstsq(x @ a, x @ weight[o]).solution
+        torch.testing.assert_close(fitted[:, o], want, rtol=1e-3, atol=1e-5)
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -45,15 +81,15 @@ def test_gptq_moves_outputs_on_correlated_inputs_less(sym):
 @pytest.mark.parametrize("sym", [True, False])
 def test_the_input_with_most_energy_is_rounded_first(sym):
     # Act-order: column 77 has the largest Hessian diagonal, so it is rounded
-    # before any error reaches it (as round-to-nearest does, on the same
-    # static grid) while the columns after it absorb errors.
+    # before any error reaches it (to the value round-to-nearest picks, on
+    # the same static grid) while the columns after it absorb errors.
     torch.manual_seed(1)
     weight = torch.randn(64, 128, dtype=torch.bfloat16)
     x = torch.randn(2048, 16) @ torch.randn(16, 128) + 0.1 * torch.randn(2048, 128)
     x[:, 77] *= 10
-    gptq = dequantize(gptq_quantize(weight, x.t() @ x, 32, sym), torch.float32)
-    rtn = dequantize(quantize(weight, 32, sym), torch.float32)
-    assert torch.equal(gptq[:, 77], rtn[:, 77])
+    gptq = unpack_int4(gptq_quantize(weight, x.t() @ x, 32, sym).qweight, dim=0)
+    rtn = unpack_int4(quantize(weight, 32, sym).qweight, dim=0)
+    assert torch.equal(gptq[77], rtn[77])
     assert not torch.equal(gptq, rtn)
 
 

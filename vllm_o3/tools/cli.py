@@ -101,8 +101,10 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--calibration-windows",
         type=int,
-        default=32,
-        help="gptq: windows of 512 tokens, spread over the four domains",
+        default=128,
+        help="gptq: windows of 512 tokens, spread over the four domains (the "
+        "corpora hold 121; on the default model 121 rather than 32 cut group "
+        "32 asymmetric from +4.3 %% to +3.5 %% perplexity before the scale refit)",
     )
     parser.add_argument("--force", action="store_true", help="replace OUT if it exists")
     parser.set_defaults(run=run_quantize)

@@ -2,8 +2,8 @@
 
 Round-to-nearest per group (the default: no calibration text needed), or
 GPTQ against the Hessians of the FFN inputs over calibration text (on the
-default model it leaves a third to a half of round-to-nearest's perplexity
-increase, docs/bench_int4_quality.md). Every other tensor is copied
+default model it leaves a fifth to a third of round-to-nearest's
+perplexity increase, docs/bench_int4_quality.md). Every other tensor is copied
 unchanged, as are the tokenizer and generation files.
 """
 
@@ -31,8 +31,8 @@ WEIGHT_FILES = ("config.json", "model.safetensors.index.json")
 
 
 def calibration_windows(model: Path, count: int) -> list[list[int]]:
-    """`count` windows of 512 tokens from the corpora's calibration split,
-    shared evenly by the four domains."""
+    """Up to `count` windows of 512 tokens from the corpora's calibration
+    split, shared evenly by the four domains (121 in all)."""
     from transformers import AutoTokenizer
 
     from vllm_o3.tools.corpora import load_corpora
