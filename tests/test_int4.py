@@ -180,6 +180,30 @@ def test_avx512_bf16_kernel_compiles_as_one_opaque_operation():
         assert torch.equal(compiled(x), linear(x))
 
 
+@pytest.mark.parametrize("avx512_bf16", [True, False])
+def test_inputs_of_any_leading_shape_and_layout(avx512_bf16, monkeypatch):
+    # vLLM passes 2-D contiguous rows, which go to the kernels as they are;
+    # other shapes and strided inputs are flattened to rows and back.
+    if not avx512_bf16:
+        monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
+    elif cpu_int4_gemm.unavailable_reason() is not None:
+        pytest.skip(str(cpu_int4_gemm.unavailable_reason()))
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 32, False)
+    linear = Int4Linear(packed, torch.bfloat16)
+    for x in (
+        torch.randn(2, 3, 256, dtype=torch.bfloat16),
+        torch.randn(256, 5, dtype=torch.bfloat16).t(),
+        torch.randn(5, 512, dtype=torch.bfloat16)[:, ::2],
+    ):
+        got = linear(x).float()
+        want = x.float() @ dequantize(packed, torch.float32).t()
+        assert got.shape == want.shape
+        torch.testing.assert_close(
+            got, want, atol=0.05 * want.abs().max().item(), rtol=0.02
+        )
+
+
 @pytest.fixture
 def without_avx512_bf16(monkeypatch):
     monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
