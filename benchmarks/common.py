@@ -9,7 +9,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -37,6 +37,33 @@ def median_time(
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_times(
+    fns: Sequence[Callable[[], object]],
+    repeats: int,
+    warmup: int = 2,
+    before: Callable[[], object] | None = None,
+) -> list[list[float]]:
+    """Per function, its wall times in seconds over `repeats` rounds, each
+    round calling every function once in turn (`before`, if given, untimed
+    before each call). On a machine whose speed drifts from minute to minute,
+    the ratios of one round's times cancel the drift (`median_ratio`); medians
+    of separate runs do not."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(warmup + repeats):
+        for fn, samples in zip(fns, times, strict=True):
+            if before is not None:
+                before()
+            start = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - start)
+    return [samples[warmup:] for samples in times]
+
+
+def median_ratio(a: list[float], b: list[float]) -> float:
+    """Median over the rounds of a[i] / b[i]."""
+    return statistics.median(p / q for p, q in zip(a, b, strict=True))
 
 
 def cache_evictor() -> Callable[[], object]:

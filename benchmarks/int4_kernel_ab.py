@@ -19,13 +19,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from benchmarks.common import cache_evictor, single_process_vllm, write_report
+from benchmarks.common import (
+    cache_evictor,
+    interleaved_times,
+    median_ratio,
+    single_process_vllm,
+    write_report,
+)
 from benchmarks.int4_linear import SHAPES, dense_linear
 
 CSRC = "vllm_o3/kernels/csrc"
@@ -57,11 +62,6 @@ def build_base(revision: str) -> str:
         build_directory=str(source),
     )
     return commit
-
-
-def ratio(a: list[float], b: list[float]) -> float:
-    """Median over the repeats of a[i] / b[i]."""
-    return statistics.median(p / q for p, q in zip(a, b, strict=True))
 
 
 def main() -> None:
@@ -104,21 +104,18 @@ def main() -> None:
             for rows in tqdm([int(r) for r in args.rows.split(",")], desc=name):
                 x = torch.randn(rows, in_features)
                 same = torch.equal(variants[1](x), variants[2](x))
-                times = [[] for _ in variants]
-                for _ in range(args.repeats + 2):  # the first two warm up
-                    for f, samples in zip(variants, times, strict=True):
-                        evict()
-                        start = time.perf_counter()
-                        f(x)
-                        samples.append(time.perf_counter() - start)
-                times = [samples[2:] for samples in times]
+                times = interleaved_times(
+                    [lambda f=f, x=x: f(x) for f in variants],
+                    args.repeats,
+                    before=evict,
+                )
                 ms = " | ".join(f"{statistics.median(t) * 1e3:.3f}" for t in times)
                 lines.append(
                     f"| {name} {out_features}x{in_features} "
                     f"| {rows}{'' if same else ' (outputs differ)'} | {ms} "
-                    f"| {ratio(times[0], times[1]):.2f}x "
-                    f"| {ratio(times[0], times[2]):.2f}x "
-                    f"| **{ratio(times[1], times[2]):.2f}x** |"
+                    f"| {median_ratio(times[0], times[1]):.2f}x "
+                    f"| {median_ratio(times[0], times[2]):.2f}x "
+                    f"| **{median_ratio(times[1], times[2]):.2f}x** |"
                 )
     body = (
         f"Base: {commit}; INT4 {'asymmetric' if args.asym else 'symmetric'}, "

@@ -5,8 +5,9 @@ SmolLM2-135M; random), same inputs, side by side. As in a real decode step,
 every call reads its weights from memory, not cache: before each timed call
 the benchmark reads twice the size of the last-level cache in other data
 (cycling through copies of the weights, as it did first, left the 4-bit
-ones in a 300 MB L3). vLLM's 16-bit CPU linear
-(its oneDNN-packed path, as the engine runs it); `o3_int4` as it runs here
+ones in a 300 MB L3). Every column is vLLM's linear layer, called as the
+model calls it: 16-bit (its oneDNN-packed path, as the engine runs it);
+`o3_int4` as it runs here
 (`Int4Linear`: the AVX512-BF16 INT4 GEMM, on AMX tiles from `AMX_MIN_ROWS`
 rows where the CPU has them); `o3_int4` on a CPU without
 AVX512-BF16 (torch's packed INT4 matmul up to SMALL_M_MAX rows, dequantize +
@@ -21,13 +22,15 @@ of 8). Medians of repeats.
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from tqdm import tqdm
 
 from benchmarks.common import (
     cache_evictor,
-    median_time,
+    interleaved_times,
+    median_ratio,
     single_process_vllm,
     write_report,
 )
@@ -52,10 +55,32 @@ def dense_linear(weight: torch.Tensor, packed):
     return lambda x: layer(x)[0]
 
 
-def int4_linear(weight: torch.Tensor, packed):
-    from vllm_o3.kernels.int4_linear import Int4Linear
+def o3_int4_layer(weight: torch.Tensor, packed, linear=None):
+    """vLLM's linear layer with the `o3_int4` method on `packed`, called as the
+    model calls its FFN projections (the layer, the method's `apply`, then
+    `Int4Linear`), so that every column pays the same Python per call as the
+    16-bit one; `linear` replaces the `Int4Linear` the method builds."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    return Int4Linear(packed, torch.bfloat16)
+    from vllm_o3.quantization.o3_int4 import O3Int4Config
+
+    out_features, in_features = weight.shape
+    config = O3Int4Config(packed.group_size, packed.qzeros is None, serialized=True)
+    layer = ReplicatedLinear(
+        in_features, out_features, bias=False, quant_config=config,
+        prefix="bench.mlp.down_proj",
+    )  # fmt: skip
+    for name in ("qweight", "scales", "qzeros"):
+        if getattr(packed, name) is not None:
+            getattr(layer, name).data.copy_(getattr(packed, name))
+    layer.quant_method.process_weights_after_loading(layer)
+    if linear is not None:
+        layer.o3_int4 = linear
+    return lambda x: layer(x)[0]
+
+
+def int4_linear(weight: torch.Tensor, packed):
+    return o3_int4_layer(weight, packed)
 
 
 def vllm_wna16_linear(weight: torch.Tensor, packed):
@@ -65,17 +90,17 @@ def vllm_wna16_linear(weight: torch.Tensor, packed):
     if packed.qzeros is None and torch.cpu._is_amx_tile_supported():
         zeros = torch.full_like(packed.scales, SYMMETRIC_ZERO, dtype=torch.int32)
         packed = Int4Weight(packed.qweight, packed.scales, pack_int4(zeros, dim=1))
-    return Int4Linear(packed, torch.bfloat16, vllm_kernel=True)
+    vllm_kernel = Int4Linear(packed, torch.bfloat16, vllm_kernel=True)
+    return o3_int4_layer(weight, packed, vllm_kernel)
 
 
 def without_avx512_bf16(weight: torch.Tensor, packed):
     from vllm_o3.kernels import cpu_int4_gemm
-    from vllm_o3.kernels.int4_linear import Int4Linear
 
     available = cpu_int4_gemm.unavailable_reason
     cpu_int4_gemm.unavailable_reason = lambda: "benchmarked without it"
     try:
-        return Int4Linear(packed, torch.bfloat16)
+        return o3_int4_layer(weight, packed)
     finally:
         cpu_int4_gemm.unavailable_reason = available
 
@@ -104,14 +129,17 @@ def main() -> None:
             switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
             for m in tqdm(sorted({*ROWS, *switch}), desc=name):
                 x = torch.randn(m, in_features)
-                times = [
-                    median_time(lambda f=f, x=x: f(x), args.repeats, before=evict)
-                    for f in layers
+                times = interleaved_times(
+                    [lambda f=f, x=x: f(x) for f in layers], args.repeats, before=evict
+                )
+                ms = [statistics.median(t) * 1e3 for t in times]
+                cells = [
+                    f"{t:.3f} | {median_ratio(times[0], samples):.2f}x"
+                    for t, samples in zip(ms[1:], times[1:], strict=True)
                 ]
-                cells = [f"{t * 1e3:.3f} | {times[0] / t:.2f}x" for t in times[1:]]
                 rows.append(
                     f"| {name} {out_features}x{in_features} | {packed.group_size} "
-                    f"| {m} | {times[0] * 1e3:.3f} | " + " | ".join(cells) + " |"
+                    f"| {m} | {ms[0]:.3f} | " + " | ".join(cells) + " |"
                 )
     cpu_int4_gemm.unavailable_reason()  # loads the kernels, sets AMX_MIN_ROWS
     amx = cpu_int4_gemm.AMX_MIN_ROWS > 0
@@ -130,7 +158,10 @@ def main() -> None:
         f"dequantize + GEMM above {SMALL_M_MAX} rows. vLLM's CPU kernel: "
         + ("W4A8 (AMX)" if torch.cpu._is_amx_tile_supported() else "CPUWNA16")
         + ". Weights read from memory (the caches evicted before each call). "
-        "Speed-ups are 16-bit time / variant time.\n\n"
+        "Each repeat calls every column once in turn; times are medians, "
+        "speed-ups the medians over the repeats of 16-bit time / variant time "
+        "(the machine's speed drifts between minutes, and cancels in a repeat's "
+        "ratio).\n\n"
         "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "
         "| o3_int4 without AVX512-BF16 ms | speed-up "
         "| vLLM's CPU kernel ms | speed-up |\n"
