@@ -139,3 +139,25 @@ def test_calibration_hessians_are_the_ffn_inputs(tiny_checkpoint):
         assert torch.linalg.eigvalsh(h).min() > -1e-6 * h.diagonal().max()
         if name.endswith("up_proj"):
             assert h is hessians[name.removesuffix("up_proj") + "gate_proj"]
+
+
+@pytest.mark.parametrize("command", ["quantize", "convert"])
+@pytest.mark.parametrize("count", ["0", "-3"])
+def test_cli_refuses_calibration_windows_below_one(command, count, tmp_path, capsys):
+    from vllm_o3.tools.cli import main
+
+    with pytest.raises(SystemExit):
+        main(
+            [
+                command,
+                str(tmp_path),
+                str(tmp_path / "out"),
+                "--calibration-windows",
+                count,
+            ]
+        )
+    assert (
+        f"--calibration-windows: must be at least 1, got {count}"
+        in capsys.readouterr().err
+    )
+    assert not (tmp_path / "out").exists()

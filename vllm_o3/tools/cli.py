@@ -10,6 +10,14 @@ from pathlib import Path
 DTYPES = ("bfloat16", "float16", "float32")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def add_create_parser(commands: argparse._SubParsersAction) -> None:
     from vllm_o3.tools.create import PRESETS
 
@@ -100,7 +108,7 @@ def add_quantize_parser(commands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--calibration-windows",
-        type=int,
+        type=positive_int,
         default=128,
         help="gptq: windows of 512 tokens, spread over the four domains (the "
         "corpora hold 121; on the default model 121 rather than 32 cut group "
@@ -161,7 +169,7 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> None:
         help="end-to-end distillation budget (0: fitted only)",
     )  # fmt: skip
     parser.add_argument(
-        "--calibration-windows", type=int, default=8,
+        "--calibration-windows", type=positive_int, default=8,
         help="512-token windows per domain to fit on",
     )  # fmt: skip
     parser.add_argument("--light-rank", type=int, help="default: hidden_size // 8")
