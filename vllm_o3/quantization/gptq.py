@@ -53,7 +53,7 @@ def gptq_quantize(
         w.t().reshape(groups, group_size, out_features), sym, weight.dtype
     )
     h += damp * torch.diag(h).mean() * torch.eye(in_features)
-    target = w.clone()
+    target = w  # what the scales are refitted to; GPTQ works on a permuted copy
     order = torch.argsort(torch.diag(h), descending=True, stable=True)
     w, h_ordered = w[:, order], h[order][:, order]
     h_inv = torch.linalg.cholesky(
