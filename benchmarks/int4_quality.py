@@ -50,6 +50,7 @@ def main() -> None:
 
     from vllm_o3.model import O3Config
     from vllm_o3.quantization.int4_format import GROUP_SIZES
+    from vllm_o3.tools.cli import positive_int
     from vllm_o3.tools.corpora import load_corpora
     from vllm_o3.tools.evaluate import text_windows, vllm_window_nlls
     from vllm_o3.tools.quantize import (
@@ -64,7 +65,7 @@ def main() -> None:
     parser.add_argument(
         "--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq"]
     )
-    parser.add_argument("--calibration-windows", type=int, default=128)
+    parser.add_argument("--calibration-windows", type=positive_int, default=128)
     args = parser.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
