@@ -181,11 +181,11 @@ def test_avx512_bf16_kernel_compiles_as_one_opaque_operation():
 
 
 @pytest.mark.parametrize("avx512_bf16", [True, False])
-def test_inputs_of_any_leading_shape_and_layout(avx512_bf16, monkeypatch):
+def test_inputs_of_any_leading_shape_and_layout(avx512_bf16, request):
     # vLLM passes 2-D contiguous rows, which go to the kernels as they are;
     # other shapes and strided inputs are flattened to rows and back.
     if not avx512_bf16:
-        monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
+        request.getfixturevalue("without_avx512_bf16")
     elif cpu_int4_gemm.unavailable_reason() is not None:
         pytest.skip(str(cpu_int4_gemm.unavailable_reason()))
     torch.manual_seed(0)
