@@ -123,6 +123,24 @@ needs_avx512_bf16 = pytest.mark.skipif(
 
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_avx512_bf16_path_is_exact_to_rounding_for_inputs_far_from_zero(sym, rows):
+    # Below AMX's rows the kernel sums (128 + q) x per group and takes
+    # (zero + 128) * scale * sum(x) off: inputs of mean 8 make both terms
+    # ~30x the result. What is left must stay at the output's bfloat16
+    # rounding (~2e-3 of the norm, as before this form), not the terms'.
+    torch.manual_seed(0)
+    weight = torch.randn(200, 1024, dtype=torch.bfloat16)
+    packed = quantize(weight, 128, sym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    x = (torch.randn(rows, 1024) + 8).bfloat16()
+    want = x.double() @ dequantize(packed, torch.float64).t()
+    error = (linear(x).double() - want).norm() / want.norm()
+    assert error < 3e-3
+
+
+@needs_avx512_bf16
+@pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 70, 300])
 @pytest.mark.parametrize(

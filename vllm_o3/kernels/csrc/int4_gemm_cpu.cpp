@@ -10,19 +10,21 @@
 // 16-bit words, word w holding in nibble j the value for output channel w / 2
 // and input channel 2 j + w % 2. Nibble j of all 32 words is then one operand
 // of VDPBF16PS: 16 channels x one pair of inputs.
-// The 4-bit values q map to q - 8 (exact in bfloat16); per group,
-//   y[m, n] += scale[n, g] * sum_k (q - 8) x[m, k] - offset[n, g] * sum_k x[m, k]
-// with offset = (zero - 8) * scale (none for symmetric weights).
+// The 4-bit values q expand to 128 + q (exact in bfloat16, `expand_nibbles`);
+// per group, on this AVX-512 path,
+//   y[m, n] += scale[n, g] * sum_k (128 + q) x[m, k] - shift[n, g] * sum_k x[m, k]
+// with shift = (zero + 128) * scale (`product_shift`; zero = 8 for symmetric
+// weights).
 //
 // Where the CPU has AMX-BF16 (`amx_ready`), whose 16-bit GEMM (vLLM's, on
 // tiles) is many times faster than dot products from a few rows, calls of
 // `amx_min_rows` rows or more run on AMX tiles instead, a pair of blocks at a
-// time: below kScaledMaxRows rows with the 4-bit values minus 8 on the tiles
-// and the sums above applied to each group's tile products
-// (`amx_scaled_block_pair`), from there with the weight dequantized to the
-// reference's bfloat16 values (`PairDequantizer`, `amx_chunk_pair`), and from
-// kDenseMinRows as the whole weight dequantized and torch's GEMM
-// (docs/bench_int4_linear.md).
+// time: below kScaledMaxRows rows with the 4-bit values minus 8 on the tiles,
+// each group's tile products times scale, less (zero - 8) * scale times the
+// group sum of x for asymmetric weights (`amx_scaled_block_pair`), from there
+// with the weight dequantized to the reference's bfloat16 values
+// (`PairDequantizer`, `amx_chunk_pair`), and from kDenseMinRows as the whole
+// weight dequantized and torch's GEMM (docs/bench_int4_linear.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -49,6 +51,21 @@ constexpr int64_t kMaxRowsPerTile = 4;  // rows sharing each expanded weight
 // Rows whose inputs stay in L2 while a thread runs its output tiles over them.
 constexpr int64_t kChunkBytes = 384 * 1024;
 
+// 128 + q in bfloat16 for the 4-bit q at bits 4 j to 4 j + 3 of each 16-bit
+// word: q becomes the low mantissa bits of 128.0, whose last place is 1, in
+// one VPTERNLOGD after the shift. In place of the VPERMW lookup of q - 8
+// (`nibble_table`) it took 4-9 % off one-row calls of the 1b shapes, less
+// and within the noise at 2-3 rows and on the 135m shapes
+// (docs/bench_int4_kernel_ab.md); on the AMX tiles, whose 4 to 63 rows all
+// pay for the shift's group sums, it did not pay (0.85-1.0x): the lookup stays.
+constexpr float kNibbleBias = 128.0f;
+O3_AVX512_BF16 inline __m512i expand_nibbles(__m512i words, int j) {
+  const __m512i shifted = j == 0 ? words : _mm512_srli_epi16(words, 4 * j);
+  // (shifted & 0x000F) | 0x4300
+  return _mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x000F),
+                                   _mm512_set1_epi16(0x4300), 0xEA);
+}
+
 // q - 8 in bfloat16 for a 4-bit q, looked up by VPERMW from a word shifted
 // right to the nibble: the lookup reads five bits and the table repeats
 // after 16, so the next nibble's low bit needs no masking.
@@ -63,6 +80,17 @@ O3_AVX512_BF16 inline __m512i nibble_table() {
   return _mm512_load_si512(table);
 }
 
+// What block `index`'s group sums of x, times this, take off its products of
+// 128 + q: (zero + 128) * scale, exact in float32 (an 8-bit integer times a
+// bfloat16 scale). `offsets` (zero - 8) * scale, or nullptr: symmetric.
+O3_AVX512_BF16 inline __m512 product_shift(const float* scales, const float* offsets,
+                                           int64_t index) {
+  const __m512 shift = _mm512_mul_ps(_mm512_loadu_ps(scales + index * kBlock),
+                                     _mm512_set1_ps(kNibbleBias + 8));
+  if (offsets == nullptr) return shift;
+  return _mm512_add_ps(shift, _mm512_loadu_ps(offsets + index * kBlock));
+}
+
 // Outputs n to n + 15 of a row as bfloat16, those from n_out on left out.
 O3_AVX512_BF16 inline void store_block(__m512 values, int64_t n, int64_t n_out,
                                        uint16_t* y_row) {
@@ -73,12 +101,11 @@ O3_AVX512_BF16 inline void store_block(__m512 values, int64_t n, int64_t n_out,
 }
 
 // Rows [m0, m0 + ROWS) x output blocks [b0, b0 + kBlocksPerTile).
-template <int ROWS, bool OFFSETS>
+template <int ROWS>
 O3_AVX512_BF16 void gemm_tile(
     const uint32_t* x, int64_t x_pairs, int64_t m0, const uint16_t* weight,
     const float* scales, const float* offsets, const float* x_sums,
     int64_t steps, int64_t groups, int64_t b0, uint16_t* y, int64_t n_out) {
-  const __m512i table = nibble_table();
   const int64_t steps_per_group = steps / groups;
   __m512 acc[ROWS][kBlocksPerTile];
   for (int m = 0; m < ROWS; ++m)
@@ -95,8 +122,7 @@ O3_AVX512_BF16 void gemm_tile(
       for (int j = 0; j < 4; ++j) {
         __m512bh w[kBlocksPerTile];
         for (int b = 0; b < kBlocksPerTile; ++b)
-          w[b] = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(words[b], 4 * j),
-                                                     table);
+          w[b] = (__m512bh)expand_nibbles(words[b], j);
         for (int m = 0; m < ROWS; ++m) {
           const __m512bh xs = (__m512bh)_mm512_set1_epi32(
               static_cast<int>(x[(m0 + m) * x_pairs + s * 4 + j]));
@@ -106,16 +132,12 @@ O3_AVX512_BF16 void gemm_tile(
       }
     }
     for (int b = 0; b < kBlocksPerTile; ++b) {
-      const __m512 scale = _mm512_loadu_ps(scales + ((b0 + b) * groups + g) * kBlock);
+      const int64_t index = (b0 + b) * groups + g;
+      const __m512 scale = _mm512_loadu_ps(scales + index * kBlock);
+      const __m512 shift = product_shift(scales, offsets, index);
       for (int m = 0; m < ROWS; ++m)
-        acc[m][b] = _mm512_fmadd_ps(part[m][b], scale, acc[m][b]);
-      if constexpr (OFFSETS) {
-        const __m512 offset =
-            _mm512_loadu_ps(offsets + ((b0 + b) * groups + g) * kBlock);
-        for (int m = 0; m < ROWS; ++m)
-          acc[m][b] = _mm512_fnmadd_ps(
-              offset, _mm512_set1_ps(x_sums[(m0 + m) * groups + g]), acc[m][b]);
-      }
+        acc[m][b] = _mm512_fnmadd_ps(shift, _mm512_set1_ps(x_sums[(m0 + m) * groups + g]),
+                                     _mm512_fmadd_ps(part[m][b], scale, acc[m][b]));
     }
   }
 
@@ -128,15 +150,14 @@ O3_AVX512_BF16 void gemm_tile(
   }
 }
 
-template <bool OFFSETS>
 void gemm_rows(int64_t rows, const uint32_t* x, int64_t x_pairs, int64_t m0,
-               const uint16_t* weight, const float* scales,
-               const float* offsets, const float* x_sums, int64_t steps,
-               int64_t groups, int64_t b0, uint16_t* y, int64_t n_out) {
-#define O3_TILE(R)                                                          \
-  case R:                                                                   \
-    gemm_tile<R, OFFSETS>(x, x_pairs, m0, weight, scales, offsets, x_sums, \
-                          steps, groups, b0, y, n_out);                     \
+               const uint16_t* weight, const float* scales, const float* offsets,
+               const float* x_sums, int64_t steps, int64_t groups, int64_t b0,
+               uint16_t* y, int64_t n_out) {
+#define O3_TILE(R)                                                                      \
+  case R:                                                                               \
+    gemm_tile<R>(x, x_pairs, m0, weight, scales, offsets, x_sums, steps, groups, b0, y, \
+                 n_out);                                                                \
     break;
   switch (rows) {
     O3_TILE(1)
@@ -147,8 +168,8 @@ void gemm_rows(int64_t rows, const uint32_t* x, int64_t x_pairs, int64_t m0,
 #undef O3_TILE
 }
 
-// Per row and group, the sum of the (bfloat16) inputs: what the offsets of
-// asymmetric weights multiply. In here rather than as ATen operations, whose
+// Per row and group, the sum of the (bfloat16) inputs: what `product_shift`
+// multiplies. In here rather than as ATen operations, whose
 // dispatch cost a sixth of a one-row call.
 O3_AVX512_BF16 void group_sums(const uint16_t* x, int64_t rows, int64_t k,
                                int64_t groups, float* sums) {
@@ -638,12 +659,12 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   const float* op = has_offsets ? offsets.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  // Below kScaledMaxRows rows on AMX, and on the AVX-512 path, the offsets
-  // apply to products, which need each row's group sums; from it `amx_pairs`
-  // folds them into the dequantized weight.
-  const bool offsets_on_products = has_offsets && !(amx && rows >= kScaledMaxRows);
+  // Each row's group sums: for the shift on the AVX-512 path, and below
+  // kScaledMaxRows rows on AMX for the offsets of asymmetric weights, which
+  // apply to products there; from it `amx_pairs` folds the offsets into the
+  // dequantized weight.
   at::Tensor sums;
-  if (offsets_on_products) {
+  if (!amx || (has_offsets && rows < kScaledMaxRows)) {
     sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
     group_sums(x16, rows, k, groups, sums.data_ptr<float>());
   }
@@ -672,13 +693,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
       const int64_t c0 = item / tiles * chunk, t = item % tiles;
       const int64_t c1 = std::min(rows, c0 + chunk);
       for (int64_t m0 = c0; m0 < c1; m0 += kMaxRowsPerTile) {
-        const int64_t tile_rows = std::min(kMaxRowsPerTile, c1 - m0);
-        if (has_offsets)
-          gemm_rows<true>(tile_rows, xp, k / 2, m0, wp, sp, op, xs, steps, groups,
-                          t * kBlocksPerTile, yp, n_out);
-        else
-          gemm_rows<false>(tile_rows, xp, k / 2, m0, wp, sp, op, xs, steps, groups,
-                           t * kBlocksPerTile, yp, n_out);
+        gemm_rows(std::min(kMaxRowsPerTile, c1 - m0), xp, k / 2, m0, wp, sp, op, xs,
+                  steps, groups, t * kBlocksPerTile, yp, n_out);
       }
     }
   });
