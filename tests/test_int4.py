@@ -127,8 +127,8 @@ needs_avx512_bf16 = pytest.mark.skipif(
 def test_avx512_bf16_path_is_exact_to_rounding_for_inputs_far_from_zero(sym, rows):
     # Below AMX's rows the kernel sums (128 + q) x per group and takes
     # (zero + 128) * scale * sum(x) off: inputs of mean 8 make both terms
-    # ~30x the result. What is left must stay at the output's bfloat16
-    # rounding (~2e-3 of the norm, as before this form), not the terms'.
+    # hundreds of times the result. What is left must stay at the output's
+    # bfloat16 rounding (~2e-3 of the norm, as before this form).
     torch.manual_seed(0)
     weight = torch.randn(200, 1024, dtype=torch.bfloat16)
     packed = quantize(weight, 128, sym)
