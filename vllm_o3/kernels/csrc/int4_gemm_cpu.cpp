@@ -82,11 +82,11 @@ O3_AVX512_BF16 inline __m512i nibble_table() {
 
 // What block `index`'s group sums of x, times this, take off its products of
 // 128 + q: (zero + 128) * scale, exact in float32 (an 8-bit integer times a
-// bfloat16 scale). `offsets` (zero - 8) * scale, or nullptr: symmetric.
-O3_AVX512_BF16 inline __m512 product_shift(const float* scales, const float* offsets,
+// bfloat16 scale). `scale` is the block's scales for the group; `offsets`
+// (zero - 8) * scale, or nullptr: symmetric.
+O3_AVX512_BF16 inline __m512 product_shift(__m512 scale, const float* offsets,
                                            int64_t index) {
-  const __m512 shift = _mm512_mul_ps(_mm512_loadu_ps(scales + index * kBlock),
-                                     _mm512_set1_ps(kNibbleBias + 8));
+  const __m512 shift = _mm512_mul_ps(scale, _mm512_set1_ps(kNibbleBias + 8));
   if (offsets == nullptr) return shift;
   return _mm512_add_ps(shift, _mm512_loadu_ps(offsets + index * kBlock));
 }
@@ -134,7 +134,7 @@ O3_AVX512_BF16 void gemm_tile(
     for (int b = 0; b < kBlocksPerTile; ++b) {
       const int64_t index = (b0 + b) * groups + g;
       const __m512 scale = _mm512_loadu_ps(scales + index * kBlock);
-      const __m512 shift = product_shift(scales, offsets, index);
+      const __m512 shift = product_shift(scale, offsets, index);
       for (int m = 0; m < ROWS; ++m)
         acc[m][b] = _mm512_fnmadd_ps(shift, _mm512_set1_ps(x_sums[(m0 + m) * groups + g]),
                                      _mm512_fmadd_ps(part[m][b], scale, acc[m][b]));
