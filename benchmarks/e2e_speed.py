@@ -118,9 +118,11 @@ METRICS = {
 
 
 def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
-    """Per variant label: {metric: (median tokens/s, median heavy fraction)}
-    and "weights". The variants' engines run side by side, their repeats
-    interleaved, so that a drift of the machine's speed hits all alike."""
+    """Per variant label: {metric: (median tokens/s, median heavy fraction,
+    each repeat's tokens/s)} and "weights". The variants' engines run side by
+    side, their repeats interleaved, so that a drift of the machine's speed
+    hits all alike, and each repeat starts with the engine the previous one
+    ended with, so that whatever running first or second costs falls on both."""
     from benchmarks.common import weight_bytes
 
     engines: dict[str, Engine] = {}
@@ -129,10 +131,12 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
             engines[label] = Engine(model, options, eager)
             engines[label].timed(engines[label].decode_prompts[:2], 4)  # warm-up
         samples = {(label, metric): [] for label in engines for metric in METRICS}
+        order = list(engines.items())
         for _ in range(repeats):
             for metric, run in METRICS.items():
-                for label, engine in engines.items():
+                for label, engine in order:
                     samples[label, metric].append(run(engine))
+            order.reverse()
         results = {}
         for label, engine in engines.items():
             results[label] = {
@@ -143,6 +147,7 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
                 results[label][metric] = (
                     statistics.median(s[0] for s in runs),
                     statistics.median(s[1] for s in runs),
+                    [s[0] for s in runs],
                 )
         return results
     finally:
@@ -153,7 +158,7 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
 def main() -> None:
     from tqdm import tqdm
 
-    from benchmarks.common import write_report
+    from benchmarks.common import median_ratio, write_report
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("model")
@@ -176,10 +181,12 @@ def main() -> None:
     ]
     for mode in args.modes:
         for metric in METRICS:
-            base = results[mode, baseline][metric][0]
+            base = results[mode, baseline][metric][2]
             for label, _ in variants:
-                speed, heavy = results[mode, label][metric]
-                ratio = "" if label == baseline else f"{speed / base:.2f}x"
+                speed, heavy, speeds = results[mode, label][metric]
+                ratio = (
+                    "" if label == baseline else f"{median_ratio(speeds, base):.2f}x"
+                )
                 lines.append(
                     f"| {mode} | {label} | {metric} | {speed:.1f} | {heavy:.1%} | {ratio} |"
                 )
@@ -191,8 +198,10 @@ def main() -> None:
         f"Model: `{args.model}`. Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} "
         f"tokens in one step. Decode: prompts of {DECODE_PROMPT_LEN} tokens, "
         f"{DECODE_TOKENS} greedy tokens, prefill time subtracted. Prefix caching "
-        f"off; medians of {args.repeats} repeats; heavy fraction over all routed "
-        "layers during the measurement; the two engines run side by side, repeats interleaved.\n\n"
+        f"off; medians of {args.repeats} repeats (the ratio: median of each repeat's); "
+        "heavy fraction over all routed layers during the measurement; the two "
+        "engines run side by side, repeats interleaved, each repeat in the other "
+        "order.\n\n"
         + "\n".join(lines)
         + "\n\nLoaded weights (parameters, buffers and the 16-bit linear weights vLLM holds in oneDNN):\n\n"
         + weights
