@@ -118,8 +118,8 @@ METRICS = {
 
 
 def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
-    """Per variant label: {metric: (median tokens/s, median heavy fraction,
-    each repeat's tokens/s)} and "weights". The variants' engines run side by
+    """Per variant label: {metric: (each repeat's tokens/s, median heavy
+    fraction)} and "weights". The variants' engines run side by
     side, their repeats interleaved, so that a drift of the machine's speed
     hits all alike, and each repeat starts with the engine the previous one
     ended with, so that whatever running first or second costs falls on both."""
@@ -145,9 +145,8 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
             for metric in METRICS:
                 runs = samples[label, metric]
                 results[label][metric] = (
-                    statistics.median(s[0] for s in runs),
-                    statistics.median(s[1] for s in runs),
                     [s[0] for s in runs],
+                    statistics.median(s[1] for s in runs),
                 )
         return results
     finally:
@@ -181,14 +180,15 @@ def main() -> None:
     ]
     for mode in args.modes:
         for metric in METRICS:
-            base = results[mode, baseline][metric][2]
+            base = results[mode, baseline][metric][0]
             for label, _ in variants:
-                speed, heavy, speeds = results[mode, label][metric]
+                speeds, heavy = results[mode, label][metric]
                 ratio = (
                     "" if label == baseline else f"{median_ratio(speeds, base):.2f}x"
                 )
                 lines.append(
-                    f"| {mode} | {label} | {metric} | {speed:.1f} | {heavy:.1%} | {ratio} |"
+                    f"| {mode} | {label} | {metric} | {statistics.median(speeds):.1f} "
+                    f"| {heavy:.1%} | {ratio} |"
                 )
     weights = "\n".join(
         f"- {label}: {results[args.modes[0], label]['weights'][0] / 2**20:.0f} MiB"
