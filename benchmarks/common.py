@@ -46,18 +46,22 @@ def interleaved_times(
     before: Callable[[], object] | None = None,
 ) -> list[list[float]]:
     """Per function, its wall times in seconds over `repeats` rounds, each
-    round calling every function once in turn (`before`, if given, untimed
-    before each call). On a machine whose speed drifts from minute to minute,
-    the ratios of one round's times cancel the drift (`median_ratio`); medians
-    of separate runs do not."""
+    round calling every function once (`before`, if given, untimed before
+    each call), round r starting from function r and going round. On a
+    machine whose speed drifts from minute to minute, the ratios of one
+    round's times cancel the drift (`median_ratio`); medians of separate runs
+    do not. The rotation spreads what a fixed order gives a function (in one
+    A/B run of identical kernels, the one called second read 1.03-1.07x the
+    one called first)."""
     times: list[list[float]] = [[] for _ in fns]
-    for _ in range(warmup + repeats):
-        for fn, samples in zip(fns, times, strict=True):
+    for round_index in range(warmup + repeats):
+        for i in range(len(fns)):
+            index = (round_index + i) % len(fns)
             if before is not None:
                 before()
             start = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - start)
+            fns[index]()
+            times[index].append(time.perf_counter() - start)
     return [samples[warmup:] for samples in times]
 
 
