@@ -168,14 +168,29 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
 @needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-def test_calls_whose_rows_outgrow_the_cache_equal_dequantized_matmul(sym, group_size):
-    # On AMX CPUs, x of 2 MB or more (600 rows x 2048 inputs) makes the
-    # kernel dequantize the weight in panels of 4 block pairs, the next one
-    # between the tile products of the last: 840 outputs are 28 pairs, so
-    # every thread count ends on a partial panel; 600 rows a partial chunk.
+@pytest.mark.parametrize(
+    "in_features, rows",
+    [
+        # Two blocks of rows (320 + 280), each through every pair, the weight
+        # dequantized once per block; 600 rows end on a partial chunk.
+        (2048, 600),
+        # 1 MB holds under 256 rows of 2560 inputs: no blocks; panels of 4
+        # block pairs, the next between the tile products of the last. 840
+        # outputs are 28 pairs, so every thread count ends on a partial panel.
+        (2560, 420),
+        # From 640 rows such x (over 2048 inputs): the whole weight dequantized
+        # and torch's GEMM.
+        (2560, 700),
+    ],
+)
+def test_calls_whose_rows_outgrow_the_cache_equal_dequantized_matmul(
+    sym, group_size, in_features, rows
+):
+    # On AMX CPUs, x of 2 MB or more.
     torch.manual_seed(0)
-    packed = quantize(torch.randn(840, 2048, dtype=torch.bfloat16), group_size, sym)
-    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, 600)
+    weight = torch.randn(840, in_features, dtype=torch.bfloat16)
+    packed = quantize(weight, group_size, sym)
+    assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, rows)
 
 
 @needs_avx512_bf16

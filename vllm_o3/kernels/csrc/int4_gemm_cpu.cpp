@@ -343,6 +343,19 @@ constexpr int64_t kScaledMaxRows = 64;
 // was as fast or faster one pair at a time.
 constexpr int64_t kPanelMinXBytes = 2 * 1024 * 1024;
 constexpr int64_t kPanelBytes = 512 * 1024;
+// Such x whose inputs fit kRowBlockBytes per kMinBlockRows rows or more
+// (2048 inputs or fewer) instead goes in blocks of rows of about
+// kRowBlockBytes, each through every block pair, the weight dequantized
+// again per block: x then stays in L2 next to the pair. 1.10-1.19x on the 1b
+// gate_up (2048 inputs) at 512-960 rows in four A/B runs; blocks of 256 rows
+// of the 1b down (5632 inputs, 2.8 MB) were 0.87-0.95x, the dequantization
+// repeated without x fitting (docs/bench_int4_kernel_ab.md).
+constexpr int64_t kRowBlockBytes = 1024 * 1024;
+constexpr int64_t kMinBlockRows = 256;
+// Calls whose x cannot go in such blocks (over 2048 inputs) run `dense_gemm`
+// from this many rows: 1.00-1.40x of `amx_pairs` (median 1.23x) on the 1b
+// down at 640-960 rows in three A/B runs, 0.82x at 256 and 1.03x at 512.
+constexpr int64_t kDenseMinRowsUnblocked = 640;
 #define O3_AMX \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -580,6 +593,18 @@ O3_AMX void amx_scaled_block_pair(const uint16_t* a_tiles, int64_t rows, int64_t
   }
 }
 
+// x of `k` inputs goes in blocks of rows (kRowBlockBytes).
+bool blockable(int64_t k) { return kRowBlockBytes / (k * 2) >= kMinBlockRows; }
+
+// The rows `amx_pairs` runs through every block pair at a time: all of them,
+// or blocks of whole chunks (kRowBlockBytes).
+int64_t row_block(int64_t rows, int64_t k, int64_t chunk_rows) {
+  if (rows * k * 2 < kPanelMinXBytes || !blockable(k)) return rows;
+  const int64_t block = kRowBlockBytes / (k * 2);
+  const int64_t chunks = (rows + chunk_rows - 1) / chunk_rows, blocks = rows / block;
+  return (chunks + blocks - 1) / blocks * chunk_rows;
+}
+
 // Block pairs [begin, end) on this thread (tile state is per thread).
 O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
                       int64_t k, const uint16_t* weight, const float* scales,
@@ -606,12 +631,13 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
       amx_scaled_block_pair(x.values.data(), rows, k, weight, scales, offsets, x_sums,
                             steps, groups, p, b_tiles.data(), acc.data(), y, n_out);
   } else {
-    // Pairs in panels (kPanelBytes; one pair where x is under
-    // kPanelMinXBytes), each chunk of rows through a whole panel: a chunk of
-    // large x is then read from L2 once per panel rather than from memory
-    // once per pair. The next panel is dequantized between the tile products
-    // of this one.
-    const int64_t panel = rows * k * 2 < kPanelMinXBytes
+    // Per block of rows (`row_block`), pairs in panels (kPanelBytes; one
+    // pair where the block is under kPanelMinXBytes), each chunk of rows
+    // through a whole panel: a chunk of large x is then read from L2 once
+    // per panel rather than from memory once per pair. The next panel is
+    // dequantized between the tile products of this one.
+    const int64_t block_rows = row_block(rows, k, x.chunk_rows());
+    const int64_t panel = block_rows * k * 2 < kPanelMinXBytes
                               ? 1
                               : std::max<int64_t>(2, kPanelBytes / (pair_values * 2));
     // Uninitialised: every tile is dequantized into before it is read (a
@@ -620,19 +646,23 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
     const std::unique_ptr<uint16_t[]> b_tiles(new uint16_t[2 * buffer_values]);
     uint16_t* buffers[2] = {b_tiles.get(), b_tiles.get() + buffer_values};
     PairDequantizer next{weight, scales, offsets, steps, groups};
-    next.start(begin, std::min(end, begin + panel), buffers[0]);
-    while (next.left > 0) next.step();
-    const int64_t chunks = (rows + x.chunk_rows() - 1) / x.chunk_rows();
-    for (int64_t p0 = begin, i = 0; p0 < end; p0 += panel, i ^= 1) {
-      const int64_t p1 = std::min(end, p0 + panel);
-      next.start(p1, std::min(end, p1 + panel), buffers[i ^ 1]);
-      const int64_t calls = chunks * (p1 - p0), k_tiles = k / kTileInputs;
-      const int64_t per_tile = (next.left + calls * k_tiles - 1) / (calls * k_tiles);
-      for (int64_t m0 = 0; m0 < rows; m0 += x.chunk_rows())
-        for (int64_t p = p0; p < p1; ++p)
-          amx_chunk_pair(x, m0, std::min(x.chunk_rows(), rows - m0), k,
-                         buffers[i] + (p - p0) * pair_values, p, y, n_out, next, per_tile);
+    for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+      const int64_t r1 = std::min(rows, r0 + block_rows);
+      next.start(begin, std::min(end, begin + panel), buffers[0]);
       while (next.left > 0) next.step();
+      const int64_t chunks = (r1 - r0 + x.chunk_rows() - 1) / x.chunk_rows();
+      for (int64_t p0 = begin, i = 0; p0 < end; p0 += panel, i ^= 1) {
+        const int64_t p1 = std::min(end, p0 + panel);
+        next.start(p1, std::min(end, p1 + panel), buffers[i ^ 1]);
+        const int64_t calls = chunks * (p1 - p0), k_tiles = k / kTileInputs;
+        const int64_t per_tile = (next.left + calls * k_tiles - 1) / (calls * k_tiles);
+        for (int64_t m0 = r0; m0 < r1; m0 += x.chunk_rows())
+          for (int64_t p = p0; p < p1; ++p)
+            amx_chunk_pair(x, m0, std::min(x.chunk_rows(), r1 - m0), k,
+                           buffers[i] + (p - p0) * pair_values, p, y, n_out, next,
+                           per_tile);
+        while (next.left > 0) next.step();
+      }
     }
   }
   _tile_release();
@@ -651,7 +681,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   // The tiles take 32 inputs at a time, each group's in one tile row or more.
   const bool amx = amx_min_rows > 0 && rows >= amx_min_rows &&
                    (k / groups) % kTileInputs == 0 && amx_ready();
-  if (amx && rows >= kDenseMinRows) return dense_gemm(x, weight, scales, offsets, n_out);
+  if (amx && (rows >= kDenseMinRows || (rows >= kDenseMinRowsUnblocked && !blockable(k))))
+    return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());
