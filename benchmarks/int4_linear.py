@@ -160,7 +160,8 @@ def main() -> None:
         f"dequantize + GEMM above {SMALL_M_MAX} rows. vLLM's CPU kernel: "
         + ("W4A8 (AMX)" if torch.cpu._is_amx_tile_supported() else "CPUWNA16")
         + ". Weights read from memory (the caches evicted before each call). "
-        "Each repeat calls every column once in turn; times are medians, "
+        "Each repeat calls every column once, each repeat starting from the "
+        "next column; times are medians, "
         "speed-ups the medians over the repeats of 16-bit time / variant time "
         "(the machine's speed drifts between minutes, and cancels in a repeat's "
         "ratio).\n\n"
