@@ -50,9 +50,9 @@ def interleaved_times(
     each call), round r starting from function r and going round. On a
     machine whose speed drifts from minute to minute, the ratios of one
     round's times cancel the drift (`median_ratio`); medians of separate runs
-    do not. The rotation spreads what a fixed order gives a function (in one
-    A/B run of identical kernels, the one called second read 1.03-1.07x the
-    one called first)."""
+    do not. The rotation shares out what a fixed order gives a function (in
+    an A/B run with a fixed order, kernels the same in both builds mostly
+    read 1.03-1.07x faster in the build called after the other)."""
     times: list[list[float]] = [[] for _ in fns]
     for round_index in range(warmup + repeats):
         for i in range(len(fns)):

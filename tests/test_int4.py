@@ -174,9 +174,9 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
         # Two blocks of rows (320 + 280), each through every pair, the weight
         # dequantized once per block; 600 rows end on a partial chunk.
         (2048, 600),
-        # 1 MB holds under 256 rows of 2560 inputs: no blocks; panels of 4
+        # 1 MB holds under 256 rows of 2560 inputs: no blocks; panels of 3
         # block pairs, the next between the tile products of the last. 840
-        # outputs are 28 pairs, so every thread count ends on a partial panel.
+        # outputs are 28 pairs, so 1, 2 or 4 threads end on a partial panel.
         (2560, 420),
         # From 640 rows such x (over 2048 inputs): the whole weight dequantized
         # and torch's GEMM.
