@@ -169,26 +169,31 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize(
-    "in_features, rows",
+    "in_features, rows, out_features",
     [
         # Two blocks of rows (320 + 280), each through every pair, the weight
         # dequantized once per block; 600 rows end on a partial chunk.
-        (2048, 600),
+        (2048, 600, 840),
         # 1 MB holds under 256 rows of 2560 inputs: no blocks; panels of 3
         # block pairs, the next between the tile products of the last. 840
         # outputs are 28 pairs, so 1, 2 or 4 threads end on a partial panel.
-        (2560, 420),
+        (2560, 420, 840),
+        # y of 1 MB or more whose pairs are whole lines (outputs a multiple
+        # of 32): written with non-temporal stores, one pair at a time
+        # (512 inputs) and in panels (2560).
+        (512, 700, 768),
+        (2560, 620, 896),
         # From 640 rows such x (over 2048 inputs): the whole weight dequantized
         # and torch's GEMM.
-        (2560, 700),
+        (2560, 700, 840),
     ],
 )
 def test_calls_whose_rows_outgrow_the_cache_equal_dequantized_matmul(
-    sym, group_size, in_features, rows
+    sym, group_size, in_features, rows, out_features
 ):
-    # On AMX CPUs, x of 2 MB or more.
+    # On AMX CPUs, x or y of 1-2 MB or more.
     torch.manual_seed(0)
-    weight = torch.randn(840, in_features, dtype=torch.bfloat16)
+    weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     packed = quantize(weight, group_size, sym)
     assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, rows)
 

@@ -357,6 +357,17 @@ constexpr int64_t kMinBlockRows = 256;
 // from this many rows: 1.00-1.40x of `amx_pairs` (median 1.23x) on the 1b
 // down at 640-960 rows in three A/B runs, 0.82x at 256 and 1.03x at 512.
 constexpr int64_t kDenseMinRowsUnblocked = 640;
+// From this many bytes of y, `amx_chunk_pair` writes y past the caches
+// (non-temporal stores of whole lines), which y that size leaves before it
+// is read again anyway: each 64-byte line is then written without first
+// being read, and (presumably what else it saves) the rows of a pair's
+// column of y, a multiple of 2 KB apart on three of the four FFN shapes, no
+// longer crowd a few L1 sets. Prefetching y's lines for writing did not
+// help. Whole FFNs (gate_up, vLLM's SiluAndMul, down; `int4_kernel_ab
+// --ffn`): 1.09-1.11x on the 1b at 128-512 rows, 1.10-1.18x on the 135m at
+// 128-768; streaming every y was 0.91x on the 135m FFN at 64 rows (0.4 MB
+// of y, which stays in L2) and 0.99x at 128-192 (ad hoc).
+constexpr int64_t kStreamMinYBytes = 1024 * 1024;
 #define O3_AMX \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")))
 
@@ -380,10 +391,11 @@ bool amx_ready() {
   return ready;
 }
 
-// Memory for tiles, 64-byte aligned: a tile row that straddles two cache
-// lines (malloc aligns to 16 bytes) loaded 2-3x slower, and the tile loads
-// are what the AMX loops wait on (~17 cycles per aligned 1 KB tile, ~45
-// straddling, against 16 per TDPBF16PS; ad hoc loop on Emerald Rapids).
+// Memory for tiles, 64-byte aligned: tile rows that straddle two cache
+// lines (malloc aligns to 16 bytes) load 2-3x slower, and the tile loads
+// are what the AMX loops wait on (an ad hoc loop on Emerald Rapids: ~17
+// cycles per aligned 1 KB tile from L1, ~48 straddling, 16 per TDPBF16PS).
+// ~10 % off a 512-row call of the 135m gate_up, hot caches.
 struct FreeTiles {
   void operator()(uint16_t* values) const { std::free(values); }
 };
@@ -408,7 +420,9 @@ O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m
 // hold its inputs [32 t, 32 t + 32), the chunk at values + m0 * k; rows past
 // the last are zeros. Loaded at x's own stride (2 k bytes, 4 KB for 2048
 // inputs) a tile's rows fall into one set of the L1 cache; packed, they are
-// consecutive cache lines.
+// consecutive cache lines. The threads pack the rows between them: 1.04-1.08x
+// on the 135m gate_up and 1b down at 64-512 rows (ad hoc A/B; on one thread
+// the copy was 7 % and 15 % of their 512-row calls).
 struct ATiles {
   TileBuffer values;
   int64_t tile_rows;
@@ -416,17 +430,20 @@ struct ATiles {
   ATiles(const uint16_t* x, int64_t rows, int64_t k, int64_t tile_rows)
       : tile_rows(tile_rows) {
     const int64_t chunk_rows = 2 * tile_rows;
-    const int64_t padded = (rows + chunk_rows - 1) / chunk_rows * chunk_rows;
-    values = tile_buffer(padded * k);
-    std::fill(values.get() + rows * k, values.get() + padded * k, 0);
-    for (int64_t m = 0; m < rows; ++m) {
-      const int64_t half = m / tile_rows;  // chunk * 2 + which of its tiles
-      uint16_t* row = values.get() + (half / 2) * chunk_rows * k +
-                      ((half % 2) * tile_rows + m % tile_rows) * kTileInputs;
-      for (int64_t t = 0; t < k / kTileInputs; ++t)
-        std::memcpy(row + 2 * t * tile_rows * kTileInputs, x + m * k + t * kTileInputs,
-                    kTileInputs * sizeof(uint16_t));
-    }
+    const int64_t last = (rows - 1) / chunk_rows * chunk_rows;  // the last chunk's start
+    values = tile_buffer((last + chunk_rows) * k);
+    if (rows - last < chunk_rows)
+      std::fill(values.get() + last * k, values.get() + (last + chunk_rows) * k, 0);
+    at::parallel_for(0, rows, chunk_rows, [&](int64_t begin, int64_t end) {
+      for (int64_t m = begin; m < end; ++m) {
+        const int64_t half = m / tile_rows;  // chunk * 2 + which of its tiles
+        uint16_t* row = values.get() + (half / 2) * chunk_rows * k +
+                        ((half % 2) * tile_rows + m % tile_rows) * kTileInputs;
+        for (int64_t t = 0; t < k / kTileInputs; ++t)
+          std::memcpy(row + 2 * t * tile_rows * kTileInputs, x + m * k + t * kTileInputs,
+                      kTileInputs * sizeof(uint16_t));
+      }
+    });
   }
   int64_t chunk_rows() const { return 2 * tile_rows; }
   int64_t tile_values() const { return tile_rows * kTileInputs; }
@@ -493,7 +510,7 @@ struct PairDequantizer {
 // goes on `steps_per_tile` steps per 32 inputs.
 O3_AMX void amx_chunk_pair(const ATiles& x, int64_t m0, int64_t count, int64_t k,
                            const uint16_t* b_tiles, int64_t p, uint16_t* y,
-                           int64_t n_out, PairDequantizer& next,
+                           int64_t n_out, bool stream, PairDequantizer& next,
                            int64_t steps_per_tile) {
   const int64_t k_tiles = k / kTileInputs, a_rows = x.tile_rows;
   const int64_t a_values = x.tile_values();
@@ -520,11 +537,17 @@ O3_AMX void amx_chunk_pair(const ATiles& x, int64_t m0, int64_t count, int64_t k
   _tile_stored(7, c[3], 64);
   for (int h = 0; h < 2; ++h) {
     for (int64_t r = 0; r < a_rows && h * a_rows + r < count; ++r) {
+      uint16_t* y_row = y + (m0 + h * a_rows + r) * n_out;
+      if (stream) {  // both blocks' outputs: one whole line
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(y_row + 2 * p * kBlock),
+                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(c[h * 2 + 1][r]),
+                                                         _mm512_load_ps(c[h * 2][r])));
+        continue;
+      }
       for (int i = 0; i < 2; ++i) {
         const int64_t n = (2 * p + i) * kBlock;
         if (n >= n_out) break;
-        store_block(_mm512_load_ps(c[h * 2 + i][r]), n, n_out,
-                    y + (m0 + h * a_rows + r) * n_out);
+        store_block(_mm512_load_ps(c[h * 2 + i][r]), n, n_out, y_row);
       }
     }
   }
@@ -656,6 +679,10 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
     // per panel rather than from memory once per pair. The next panel is
     // dequantized between the tile products of this one.
     const int64_t block_rows = row_block(rows, k, x.chunk_rows());
+    // Non-temporal stores (kStreamMinYBytes) where each pair's outputs are
+    // whole, aligned lines of y.
+    const bool stream = rows * n_out * 2 >= kStreamMinYBytes && n_out % (2 * kBlock) == 0 &&
+                        reinterpret_cast<uintptr_t>(y) % 64 == 0;
     const int64_t panel = block_rows * k * 2 < kPanelMinXBytes
                               ? 1
                               : std::max<int64_t>(2, kPanelBytes / (pair_values * 2));
@@ -678,11 +705,12 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
         for (int64_t m0 = r0; m0 < r1; m0 += x.chunk_rows())
           for (int64_t p = p0; p < p1; ++p)
             amx_chunk_pair(x, m0, std::min(x.chunk_rows(), r1 - m0), k,
-                           buffers[i] + (p - p0) * pair_values, p, y, n_out, next,
-                           per_tile);
+                           buffers[i] + (p - p0) * pair_values, p, y, n_out, stream,
+                           next, per_tile);
         while (next.left > 0) next.step();
       }
     }
+    if (stream) _mm_sfence();  // the stores visible before the threads join
   }
   _tile_release();
 }
