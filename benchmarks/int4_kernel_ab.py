@@ -9,9 +9,12 @@ checkout back to back on the same input, the caches evicted before each call
 (as `benchmarks.int4_linear`). It reports medians of the times and, per
 repeat, the ratios of the three: the drift cancels in those. The two must
 share `int4_gemm`'s signature and weight layout (`pack_for_gemm`); a row
-whose outputs differ between the two says so.
+whose outputs differ between the two says so. `--ffn` times each preset's
+whole FFN instead (gate_up, vLLM's `SiluAndMul`, down): a kernel change that
+only moves cost onto the next operation (how it leaves y in the caches)
+shows there and not on one linear.
 
-    python -m benchmarks.int4_kernel_ab --base HEAD~1 [--rows 64,512] [--repeats 9]
+    python -m benchmarks.int4_kernel_ab --base HEAD~1 [--rows 64,512] [--repeats 9] [--ffn]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -64,16 +68,58 @@ def build_base(revision: str) -> str:
     return commit
 
 
-def main() -> None:
+Variants = tuple[Callable[[torch.Tensor], torch.Tensor], ...]
+
+
+def linear_variants(name: str, asym: bool) -> Variants:
+    """16-bit, base and this checkout's INT4 GEMM for `SHAPES[name]`."""
     from vllm_o3.kernels import cpu_int4_gemm
     from vllm_o3.kernels.int4_linear import Int4Linear
     from vllm_o3.quantization.int4_format import largest_group_size, quantize
+
+    out_features, in_features = SHAPES[name]
+    torch.manual_seed(0)
+    weight = torch.randn(out_features, in_features) * in_features**-0.5
+    packed = quantize(weight, largest_group_size(name, in_features), sym=not asym)
+    linear = Int4Linear(packed, torch.bfloat16)
+    kernel_args = (
+        linear.words,
+        linear.block_scales,
+        linear.block_offsets,
+        out_features,
+        cpu_int4_gemm.AMX_MIN_ROWS,
+    )
+    return (
+        dense_linear(weight, packed),
+        lambda x: torch.ops.o3_base.int4_gemm(x, *kernel_args),
+        lambda x: torch.ops.o3_cpu.int4_gemm(x, *kernel_args),
+    )
+
+
+def ffn_variants(model: str, asym: bool) -> Variants:
+    """`linear_variants` of the preset's gate_up and down, each with vLLM's
+    SiluAndMul between them."""
+    from vllm.model_executor.layers.activation import SiluAndMul
+
+    act = SiluAndMul()
+    gate_up = linear_variants(f"{model} gate_up", asym)
+    down = linear_variants(f"{model} down", asym)
+    return tuple(
+        lambda x, g=g, d=d: d(act(g(x))) for g, d in zip(gate_up, down, strict=True)
+    )
+
+
+def main() -> None:
+    from vllm_o3.kernels import cpu_int4_gemm
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--base", required=True, help="git revision to compare with")
     parser.add_argument("--rows", default="64,128,256,512")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--asym", action="store_true", help="asymmetric weights")
+    parser.add_argument(
+        "--ffn", action="store_true", help="each preset's FFN instead of its linears"
+    )
     args = parser.parse_args()
     reason = cpu_int4_gemm.unavailable_reason()
     if reason is not None:
@@ -83,25 +129,24 @@ def main() -> None:
     evict = cache_evictor()
     lines = []
     with single_process_vllm():
-        for name, (out_features, in_features) in SHAPES.items():
-            torch.manual_seed(0)
-            weight = torch.randn(out_features, in_features) * in_features**-0.5
-            group_size = largest_group_size(name, in_features)
-            packed = quantize(weight, group_size, sym=not args.asym)
-            linear = Int4Linear(packed, torch.bfloat16)
-            kernel_args = (
-                linear.words,
-                linear.block_scales,
-                linear.block_offsets,
-                out_features,
-                cpu_int4_gemm.AMX_MIN_ROWS,
-            )
-            variants = (
-                dense_linear(weight, packed),
-                lambda x, a=kernel_args: torch.ops.o3_base.int4_gemm(x, *a),
-                lambda x, a=kernel_args: torch.ops.o3_cpu.int4_gemm(x, *a),
-            )
-            for rows in tqdm([int(r) for r in args.rows.split(",")], desc=name):
+        if args.ffn:
+            cases = {  # label: (inputs, variants)
+                f"{model} FFN": (
+                    SHAPES[f"{model} gate_up"][1],
+                    ffn_variants(model, args.asym),
+                )
+                for model in ("1b", "135m")
+            }
+        else:
+            cases = {
+                f"{name} {out_features}x{in_features}": (
+                    in_features,
+                    linear_variants(name, args.asym),
+                )
+                for name, (out_features, in_features) in SHAPES.items()
+            }
+        for label, (in_features, variants) in cases.items():
+            for rows in tqdm([int(r) for r in args.rows.split(",")], desc=label):
                 x = torch.randn(rows, in_features)
                 same = torch.equal(variants[1](x), variants[2](x))
                 times = interleaved_times(
@@ -111,8 +156,7 @@ def main() -> None:
                 )
                 ms = " | ".join(f"{statistics.median(t) * 1e3:.3f}" for t in times)
                 lines.append(
-                    f"| {name} {out_features}x{in_features} "
-                    f"| {rows}{'' if same else ' (outputs differ)'} | {ms} "
+                    f"| {label} | {rows}{'' if same else ' (outputs differ)'} | {ms} "
                     f"| {median_ratio(times[0], times[1]):.2f}x "
                     f"| {median_ratio(times[0], times[2]):.2f}x "
                     f"| **{median_ratio(times[1], times[2]):.2f}x** |"
@@ -122,7 +166,7 @@ def main() -> None:
         "group 128 (64 where 128 does not divide the input), bf16 activations; "
         "the caches evicted before each call. Times are medians; ratios are "
         "medians over the repeats of each repeat's ratio.\n\n"
-        "| linear | rows | 16-bit ms | base ms | this ms | base vs 16-bit "
+        f"| {'FFN' if args.ffn else 'linear'} | rows | 16-bit ms | base ms | this ms | base vs 16-bit "
         "| this vs 16-bit | this vs base |\n"
         "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines)
     )
