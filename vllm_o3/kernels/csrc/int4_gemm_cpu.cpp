@@ -23,8 +23,9 @@
 // each group's tile products times scale, less (zero - 8) * scale times the
 // group sum of x for asymmetric weights (`amx_scaled_block_pair`), from there
 // with the weight dequantized to the reference's bfloat16 values
-// (`PairDequantizer`, `amx_chunk_pair`), and from kDenseMinRows as the whole
-// weight dequantized and torch's GEMM (docs/bench_int4_linear.md).
+// (`PairDequantizer`, `amx_chunk_pair`), and from kDenseMinRows (but see
+// kDenseMaxValues, kDenseMinRowsUnblocked) as the whole weight dequantized
+// and torch's GEMM (docs/bench_int4_linear.md).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -331,9 +332,17 @@ constexpr int64_t kTileInputs = 32;
 constexpr int64_t kTileRows = 16;
 constexpr int64_t kTileValues = kTileRows * kTileInputs;
 // From this many rows (on AMX CPUs) dequantizing the whole weight and running
-// torch's GEMM (`dense_gemm`) is faster than `amx_pairs`: about even at 512
-// rows, 1.2-1.6x faster at 2048 on the FFN shapes of both presets.
-constexpr int64_t kDenseMinRows = 1024;
+// torch's GEMM (`dense_gemm`) is as fast as `amx_pairs` or faster on the
+// 135m FFN shapes: `amx_pairs` was 1.41x / 1.16-1.57x / 1.02x of it at
+// 1024 / 1280 / 1536 rows, 0.82-0.84x at 1792 and 0.72-0.88x at 8192 ...
+constexpr int64_t kDenseMinRows = 1536;
+// ... but not where the weight has this many values or more: its dequantized
+// copy (32 MB) leaves the caches and comes back from memory for torch's GEMM,
+// while `amx_pairs` dequantizes panels that stay in L2. `amx_pairs` was
+// 1.05-1.54x of `dense_gemm` on the 1b gate_up (23 M values) at 1024-8192
+// rows. (Measured on the two presets' shapes only: 0.9-1.8 M and 11.5-23 M
+// values.)
+constexpr int64_t kDenseMaxValues = 16 << 20;
 // Below this many rows `amx_scaled_block_pair` runs, from it the dequantized
 // weight (whose cheaper tile loop wins once the dequantization is spread over
 // the rows): about even at 64 rows on the FFN shapes of both presets.
@@ -728,7 +737,9 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   // The tiles take 32 inputs at a time, each group's in one tile row or more.
   const bool amx = amx_min_rows > 0 && rows >= amx_min_rows &&
                    (k / groups) % kTileInputs == 0 && amx_ready();
-  if (amx && (rows >= kDenseMinRows || (rows >= kDenseMinRowsUnblocked && !blockable(k))))
+  const bool dense = blockable(k) ? rows >= kDenseMinRows && n_out * k < kDenseMaxValues
+                                  : rows >= kDenseMinRowsUnblocked;
+  if (amx && dense)
     return dense_gemm(x, weight, scales, offsets, n_out);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
