@@ -147,9 +147,10 @@ def main() -> None:
         f"below {cpu_int4_gemm.AMX_MIN_ROWS} rows, on AMX tiles from there "
         "(the 4-bit values on the tiles and the group scales on their products "
         "below 64 rows, the dequantized weight from 64, x of 2 MB or more in "
-        "blocks of rows of 1 MB where it has 2048 inputs or fewer), and from "
-        "1024 rows (640 over 2048 inputs) dequantizes the weight and runs "
-        "torch's 16-bit GEMM"
+        "blocks of rows of 1 MB where it has 2048 inputs or fewer, y of 1 MB or "
+        "more written past the caches), and from 1536 rows (640 over 2048 "
+        "inputs; never for weights of 16 M values with 2048 inputs or fewer) "
+        "dequantizes the weight and runs torch's 16-bit GEMM"
         if amx
         else "at every row count (no AMX)"
     )

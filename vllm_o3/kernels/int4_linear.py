@@ -9,7 +9,8 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
   16-bit GEMM runs on tiles and is many times faster from a few rows: there
   the same operation runs such calls on AMX tiles too, the weight expanded
   per call a pair of 16-channel blocks at a time (`cpu_int4_gemm.AMX_MIN_ROWS`),
-  and calls of 1024 rows or more (640 over 2048 inputs) as the whole weight
+  and calls of 1536 rows or more (640 over 2048 inputs; none where a weight
+  of 16 M values or more has 2048 inputs or fewer) as the whole weight
   dequantized into a buffer and that 16-bit GEMM.
   Either way from the 4-bit weight alone (half a byte per weight);
 - where it cannot run (no AVX512-BF16, no compiler, activations not
