@@ -166,8 +166,8 @@ def main() -> None:
         "group 128 (64 where 128 does not divide the input), bf16 activations; "
         "the caches evicted before each call. Times are medians; ratios are "
         "medians over the repeats of each repeat's ratio.\n\n"
-        f"| {'FFN' if args.ffn else 'linear'} | rows | 16-bit ms | base ms | this ms | base vs 16-bit "
-        "| this vs 16-bit | this vs base |\n"
+        f"| {'FFN' if args.ffn else 'linear'} | rows | 16-bit ms | base ms "
+        "| this ms | base vs 16-bit | this vs 16-bit | this vs base |\n"
         "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines)
     )
     print(body)
