@@ -29,6 +29,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/core/alignment.h>
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
@@ -39,9 +40,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 namespace {
@@ -404,17 +403,16 @@ bool amx_ready() {
 // lines (malloc aligns to 16 bytes) load 2-3x slower, and the tile loads
 // are what the AMX loops wait on (an ad hoc loop on Emerald Rapids: ~17
 // cycles per aligned 1 KB tile from L1, ~48 straddling, 16 per TDPBF16PS).
-// ~10 % off a 512-row call of the 135m gate_up, hot caches.
-struct FreeTiles {
-  void operator()(uint16_t* values) const { std::free(values); }
-};
-using TileBuffer = std::unique_ptr<uint16_t[], FreeTiles>;
+// ~10 % off a 512-row call of the 135m gate_up, hot caches. ATen's CPU
+// allocator gives that alignment.
+static_assert(c10::gAlignment >= 64, "tile buffers need 64-byte alignment");
 
-TileBuffer tile_buffer(int64_t values) {
-  const size_t bytes = std::max<size_t>(64, (values * sizeof(uint16_t) + 63) / 64 * 64);
-  auto* memory = static_cast<uint16_t*>(std::aligned_alloc(64, bytes));
-  TORCH_CHECK(memory != nullptr, "int4_gemm: out of memory for ", bytes, " bytes of tiles");
-  return TileBuffer(memory);
+at::Tensor tile_buffer(int64_t values) {
+  return at::empty({values}, at::TensorOptions().dtype(at::kBFloat16));
+}
+
+uint16_t* tiles_of(const at::Tensor& buffer) {
+  return static_cast<uint16_t*>(buffer.data_ptr());
 }
 
 // Step s of a block as four B-tile rows (`pairs`) into its tiles, tile t
@@ -433,20 +431,22 @@ O3_AVX512_BF16 inline void store_tile_rows(uint16_t* tiles, int64_t s, const __m
 // on the 135m gate_up and 1b down at 64-512 rows (ad hoc A/B; on one thread
 // the copy was 7 % and 15 % of their 512-row calls).
 struct ATiles {
-  TileBuffer values;
+  at::Tensor buffer;
+  uint16_t* values;
   int64_t tile_rows;
 
   ATiles(const uint16_t* x, int64_t rows, int64_t k, int64_t tile_rows)
       : tile_rows(tile_rows) {
     const int64_t chunk_rows = 2 * tile_rows;
     const int64_t last = (rows - 1) / chunk_rows * chunk_rows;  // the last chunk's start
-    values = tile_buffer((last + chunk_rows) * k);
+    buffer = tile_buffer((last + chunk_rows) * k);
+    values = tiles_of(buffer);
     if (rows - last < chunk_rows)
-      std::fill(values.get() + last * k, values.get() + (last + chunk_rows) * k, 0);
+      std::fill(values + last * k, values + (last + chunk_rows) * k, 0);
     at::parallel_for(0, rows, chunk_rows, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m) {
         const int64_t half = m / tile_rows;  // chunk * 2 + which of its tiles
-        uint16_t* row = values.get() + (half / 2) * chunk_rows * k +
+        uint16_t* row = values + (half / 2) * chunk_rows * k +
                         ((half % 2) * tile_rows + m % tile_rows) * kTileInputs;
         for (int64_t t = 0; t < k / kTileInputs; ++t)
           std::memcpy(row + 2 * t * tile_rows * kTileInputs, x + m * k + t * kTileInputs,
@@ -456,7 +456,7 @@ struct ATiles {
   }
   int64_t chunk_rows() const { return 2 * tile_rows; }
   int64_t tile_values() const { return tile_rows * kTileInputs; }
-  const uint16_t* chunk(int64_t m0, int64_t k) const { return values.get() + m0 * k; }
+  const uint16_t* chunk(int64_t m0, int64_t k) const { return values + m0 * k; }
 };
 
 // Rows per A tile for a call of `rows`. From kScaledMaxRows rows the 32-row
@@ -676,11 +676,11 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
   _tile_loadconfig(&config);
   const int64_t pair_values = 2 * k * kBlock;
   if (rows < kScaledMaxRows) {
-    const TileBuffer b_tiles = tile_buffer(pair_values);
+    const at::Tensor b_tiles = tile_buffer(pair_values);
     std::vector<float> acc(rows * 2 * kBlock);
     for (int64_t p = begin; p < end; ++p)
-      amx_scaled_block_pair(x.values.get(), rows, k, weight, scales, offsets, x_sums,
-                            steps, groups, p, b_tiles.get(), acc.data(), y, n_out);
+      amx_scaled_block_pair(x.values, rows, k, weight, scales, offsets, x_sums,
+                            steps, groups, p, tiles_of(b_tiles), acc.data(), y, n_out);
   } else {
     // Per block of rows (`row_block`), pairs in panels (kPanelBytes; one
     // pair where the block is under kPanelMinXBytes), each chunk of rows
@@ -698,8 +698,8 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
     // Uninitialised: every tile is dequantized into before it is read (a
     // zero fill would write up to 1 MB per thread per call).
     const int64_t buffer_values = std::min(panel, end - begin) * pair_values;
-    const TileBuffer b_tiles = tile_buffer(2 * buffer_values);
-    uint16_t* buffers[2] = {b_tiles.get(), b_tiles.get() + buffer_values};
+    const at::Tensor b_tiles = tile_buffer(2 * buffer_values);
+    uint16_t* buffers[2] = {tiles_of(b_tiles), tiles_of(b_tiles) + buffer_values};
     PairDequantizer next{weight, scales, offsets, steps, groups};
     for (int64_t r0 = 0; r0 < rows; r0 += block_rows) {
       const int64_t r1 = std::min(rows, r0 + block_rows);
