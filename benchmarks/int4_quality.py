@@ -5,14 +5,16 @@ Austen, Reuters news, Python's documentation).
 Settings: online quantization (`--quantization o3_int4`: round-to-nearest,
 symmetric, per projection the largest group of 128/64/32 dividing its input),
 and offline checkpoints written by `vllm-o3 quantize` for every group size
-that divides the model's FFN, symmetric and asymmetric, round-to-nearest and
-(`--methods rtn gptq`) GPTQ calibrated on the corpora's calibration split (as
-`vllm-o3 quantize --method gptq`). The default model's weights come from a
-Q4_1 GGUF (4-bit, asymmetric, groups of 32): group 32 asymmetric has their
-grid but an integer zero point where Q4_1 has a float minimum, so it is not
-lossless (docs/bench_int4_quality.md).
+that divides the model's FFN, symmetric and asymmetric, by each of
+`--methods`: `rtn` round-to-nearest, `gptq` GPTQ calibrated on the corpora's
+calibration split (`vllm-o3 quantize --method gptq --tune-steps 0`), `tuned`
+GPTQ with the group scales then tuned against the 16-bit model on the same
+text (`vllm-o3 quantize --method gptq`). The default model's weights come
+from a Q4_1 GGUF (4-bit, asymmetric, groups of 32): group 32 asymmetric has
+their grid but an integer zero point where Q4_1 has a float minimum, so it is
+not lossless (docs/bench_int4_quality.md).
 
-    python -m benchmarks.int4_quality [MODEL] [--windows 4] [--methods rtn gptq]
+    python -m benchmarks.int4_quality [MODEL] [--windows 4] [--methods rtn gptq tuned]
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ def main() -> None:
     from vllm_o3.tools.corpora import load_corpora
     from vllm_o3.tools.evaluate import text_windows, vllm_window_nlls
     from vllm_o3.tools.quantize import (
+        calibrate,
         calibration_windows,
-        ffn_input_hessians,
         quantize_checkpoint,
     )
 
@@ -63,7 +65,7 @@ def main() -> None:
     parser.add_argument("model", nargs="?", default="o3", type=Path)
     parser.add_argument("--windows", type=int, default=4, help="per domain")
     parser.add_argument(
-        "--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq"]
+        "--methods", nargs="+", default=["rtn"], choices=["rtn", "gptq", "tuned"]
     )
     parser.add_argument("--calibration-windows", type=positive_int, default=128)
     args = parser.parse_args()
@@ -78,15 +80,14 @@ def main() -> None:
     config = O3Config.from_pretrained(args.model)
     inputs = (config.hidden_size, config.intermediate_size)
     groups = [g for g in GROUP_SIZES if all(n % g == 0 for n in inputs)]
-    # The Hessians depend on the model and the calibration text only: once.
+    # Calibration depends on the model and the calibration text only: once.
     calibration = (
-        calibration_windows(args.model, args.calibration_windows)
-        if "gptq" in args.methods
-        else []
+        calibrate(args.model, calibration_windows(args.model, args.calibration_windows))
+        if {"gptq", "tuned"} & set(args.methods)
+        else None
     )
-    hessians = ffn_input_hessians(args.model, calibration) if calibration else None
-    # (label, engine options, offline (group size, symmetric, calibrated) or None)
-    settings: list[tuple[str, dict, tuple[int, bool, bool] | None]] = [
+    # (label, engine options, offline (group size, symmetric, method) or None)
+    settings: list[tuple[str, dict, tuple[int, bool, str] | None]] = [
         ("16-bit", {}, None),
         (
             "online: symmetric, largest group per projection",
@@ -99,18 +100,19 @@ def main() -> None:
             for sym in (True, False):
                 kind = "symmetric" if sym else "asymmetric"
                 label = f"offline {method}: group {group}, {kind}"
-                settings.append((label, {}, (group, sym, method == "gptq")))
+                settings.append((label, {}, (group, sym, method)))
 
     perplexity: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(prefix="o3-int4-quality-") as scratch:
         for label, options, offline in tqdm(settings, desc="settings"):
             path = args.model
             if offline is not None:
-                group, sym, calibrated = offline
-                path = Path(scratch) / f"g{group}-{sym}-{calibrated}"
+                group, sym, method = offline
+                path = Path(scratch) / f"g{group}-{sym}-{method}"
                 quantize_checkpoint(
                     args.model, path, group, sym,
-                    hessians=hessians if calibrated else None,
+                    calibration=None if method == "rtn" else calibration,
+                    tune_steps=0 if method == "gptq" else None,
                 )  # fmt: skip
             nlls = vllm_window_nlls(
                 str(path), all_windows, dtype="bfloat16", enforce_eager=True, **options
@@ -136,9 +138,10 @@ def main() -> None:
         "bfloat16, vLLM eager mode; perplexity from vLLM's prompt "
         "log-probabilities, increase over 16-bit in brackets."
         + (
-            f" GPTQ: calibrated on {len(calibration)} windows of 512 tokens "
-            "of the corpora's calibration split (disjoint from the held-out text)."
-            if hessians
+            f" Calibrated methods: {len(calibration.windows)} windows of 512 "
+            "tokens of the corpora's calibration split (disjoint from the "
+            "held-out text)."
+            if calibration
             else ""
         )
         + "\n\n"

@@ -1,12 +1,12 @@
-"""GPTQ for `o3_int4` (`vllm-o3 quantize --method gptq`): against round-to-
-nearest, on hand-built inputs and on a checkpoint through the reference."""
+"""GPTQ and scale tuning for `o3_int4` (`vllm-o3 quantize --method gptq`):
+against round-to-nearest, on hand-built inputs and on a checkpoint through the
+reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 import vllm_o3  # noqa: F401
 from vllm_o3.model import O3Config
@@ -20,7 +20,9 @@ from vllm_o3.quantization.int4_format import (
     quantize,
     unpack_int4,
 )
-from vllm_o3.tools.quantize import ffn_input_hessians, quantize_checkpoint
+from vllm_o3.quantization.scale_tuning import GroupScales, tune_scales
+from vllm_o3.tools.distill import bucket_kl
+from vllm_o3.tools.quantize import calibrate, load_float32, quantize_checkpoint
 
 
 @pytest.mark.parametrize("sym", [True, False])
@@ -93,14 +95,23 @@ def test_the_input_with_most_energy_is_rounded_first(sym):
     assert not torch.equal(gptq, rtn)
 
 
-@torch.no_grad()
-def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def calibration(tiny_checkpoint):
     torch.manual_seed(0)
     vocab = O3Config.from_pretrained(tiny_checkpoint).vocab_size
-    windows = torch.randint(vocab, (4, 128)).tolist()
-    hessians = ffn_input_hessians(tiny_checkpoint, windows)
+    return calibrate(tiny_checkpoint, torch.randint(vocab, (4, 128)).tolist())
+
+
+def logits(folder, windows: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return load_float32(folder)(windows).logits
+
+
+def test_calibrated_checkpoint_is_closer_to_16_bit(
+    tiny_checkpoint, calibration, tmp_path
+):
     gptq = quantize_checkpoint(
-        tiny_checkpoint, tmp_path / "gptq", 32, False, hessians=hessians
+        tiny_checkpoint, tmp_path / "gptq", 32, False, calibration=calibration
     )
     rtn = quantize_checkpoint(tiny_checkpoint, tmp_path / "rtn", 32, False)
     config = O3Config.from_pretrained(gptq)
@@ -108,24 +119,78 @@ def test_calibrated_checkpoint_is_closer_to_16_bit(tiny_checkpoint, tmp_path):
     tensors = load_file(gptq / "model.safetensors")
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     assert shapes == expected_tensor_shapes(config)
-
-    def logits(folder):
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        return model.eval()(torch.tensor(windows)).logits
-
-    want = logits(tiny_checkpoint)
-    gptq_error = (logits(gptq) - want).pow(2).mean()
-    rtn_error = (logits(rtn) - want).pow(2).mean()
+    windows = calibration.windows
+    want = logits(tiny_checkpoint, windows)
+    gptq_error = (logits(gptq, windows) - want).pow(2).mean()
+    rtn_error = (logits(rtn, windows) - want).pow(2).mean()
     assert gptq_error < rtn_error
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_group_scales_start_as_the_packed_weight(sym):
+    torch.manual_seed(3)
+    packed = quantize(torch.randn(24, 64, dtype=torch.bfloat16), 32, sym)
+    weight = GroupScales(packed)(torch.empty(0))
+    torch.testing.assert_close(weight, dequantize(packed, torch.float32))
+    assert torch.equal(GroupScales(packed).scales(), packed.scales)
+
+
+def test_scale_tuning_lowers_the_kl_to_16_bit_and_moves_only_scales(
+    tiny_checkpoint, calibration, tmp_path
+):
+    """Tuned against the 16-bit model's top-k log-probabilities: the KL on
+    the calibration windows falls, the 4-bit values and zero points stay as
+    GPTQ chose them, and the model's own weights are left as they were."""
+    gptq = quantize_checkpoint(
+        tiny_checkpoint, tmp_path / "gptq", 32, False, calibration=calibration,
+        tune_steps=0,
+    )  # fmt: skip
+    model = load_float32(tiny_checkpoint)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    tensors = load_file(gptq / "model.safetensors")
+    packed = {
+        name.removesuffix(".qweight"): Int4Weight(
+            tensors[name],
+            tensors[name.replace("qweight", "scales")],
+            tensors[name.replace("qweight", "qzeros")],
+        )
+        for name in tensors
+        if name.endswith(".qweight")
+    }
+    tuned = tune_scales(
+        model, packed, calibration.windows, calibration.teacher, steps=12, lr=1e-2
+    )
+    for name, param in model.named_parameters():
+        assert torch.equal(param, before[name]), name
+
+    def kl(weights: dict[str, Int4Weight]) -> float:
+        with torch.no_grad():
+            for name, weight in weights.items():
+                model.get_submodule(name).weight.copy_(dequantize(weight))
+            out = model(calibration.windows).logits
+        teacher = calibration.teacher
+        return sum(
+            float(bucket_kl(out[i], teacher.indices[i], teacher.logprobs[i]))
+            for i in range(len(out))
+        )
+
+    assert kl(tuned) < 0.9 * kl(packed)
+    for name, weight in tuned.items():
+        assert torch.equal(weight.qweight, packed[name].qweight)
+        assert torch.equal(weight.qzeros, packed[name].qzeros)
+        assert weight.scales.dtype == packed[name].scales.dtype
+        assert not torch.equal(weight.scales, packed[name].scales)
 
 
 def test_calibration_hessians_are_the_ffn_inputs(tiny_checkpoint):
     """One X^T X per projection: down_proj's from the activations, gate_proj's
     (shared with up_proj, same input) from the normed hidden states, each
-    counting the rows that reached the FFN."""
+    counting the rows that reached the FFN; and the model's top-k
+    log-probabilities of each window."""
     config = O3Config.from_pretrained(tiny_checkpoint)
     window = list(range(3, 3 + 24))
-    hessians = ffn_input_hessians(tiny_checkpoint, [window])
+    calibration = calibrate(tiny_checkpoint, [window])
+    hessians = calibration.hessians
     projections = {
         n.removesuffix(".weight")
         for n in expected_tensor_shapes(config)
@@ -139,6 +204,9 @@ def test_calibration_hessians_are_the_ffn_inputs(tiny_checkpoint):
         assert torch.linalg.eigvalsh(h).min() > -1e-6 * h.diagonal().max()
         if name.endswith("up_proj"):
             assert h is hessians[name.removesuffix("up_proj") + "gate_proj"]
+    want = logits(tiny_checkpoint, torch.tensor([window]))[0].log_softmax(-1)
+    teacher = calibration.teacher
+    torch.testing.assert_close(teacher.logprobs[0], want.topk(64).values)
 
 
 @pytest.mark.parametrize("command", ["quantize", "convert"])
@@ -161,3 +229,12 @@ def test_cli_refuses_calibration_windows_below_one(command, count, tmp_path, cap
         in capsys.readouterr().err
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_cli_refuses_tune_steps_without_calibration(tiny_checkpoint, tmp_path):
+    from vllm_o3.tools.cli import main
+
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="--tune-steps needs --method gptq"):
+        main(["quantize", str(tiny_checkpoint), str(out), "--tune-steps", "4"])
+    assert not out.exists()

@@ -57,6 +57,23 @@ def bucket_kl(
     return kl.mean()
 
 
+def kl_step(
+    model,
+    optimizer: torch.optim.Optimizer,
+    windows: torch.Tensor,
+    teacher: TeacherCache,
+    i: int,
+) -> float:
+    """One optimizer step on window `i` against the teacher; returns the KL."""
+    with torch.autocast(windows.device.type, dtype=torch.bfloat16):
+        logits = model(windows[i : i + 1], use_cache=False).logits[0]
+    loss = bucket_kl(logits, teacher.indices[i], teacher.logprobs[i])
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    return loss.item()
+
+
 def trainable_parameters(model) -> list[torch.nn.Parameter]:
     params = []
     for name, param in model.named_parameters():
@@ -85,20 +102,13 @@ def distill(
         )
     model.train()
     generator = torch.Generator().manual_seed(seed)
-    device_type = windows.device.type
     losses: list[float] = []
     deadline = time.monotonic() + 60 * minutes
     progress = tqdm(desc="distillation", unit="step", leave=False)
     try:
         while time.monotonic() < deadline:
             i = int(torch.randint(0, windows.shape[0], (1,), generator=generator))
-            with torch.autocast(device_type, dtype=torch.bfloat16):
-                logits = model(windows[i : i + 1], use_cache=False).logits[0]
-            loss = bucket_kl(logits, teacher.indices[i], teacher.logprobs[i])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+            losses.append(kl_step(model, optimizer, windows, teacher, i))
             progress.update()
             progress.set_postfix(kl=f"{losses[-1]:.4f}")
     finally:
