@@ -4,11 +4,11 @@ per-group scales train against the 16-bit model's next-token distribution
 (the KL of `vllm_o3.tools.distill`) over the calibration text.
 
 GPTQ fits each projection's outputs on its own; the errors it leaves add up
-through 30 layers. On the default model (float32 reference, held-out text)
-two passes over the 121 calibration windows took the perplexity increase of
-group 32 asymmetric from +3.21 % to +0.79 %, of group 64 from +4.74 % to
-+2.35 % (asymmetric, one pass) and +8.15 % to +4.43 % (symmetric, one pass):
-docs/bench_int4_quality.md. Same tensors as GPTQ: only the scales move.
+through 30 layers. On the default model, two passes over the 121 calibration
+windows took the held-out perplexity increase through vLLM from +3.04 % to
++0.63 % (group 32 asymmetric), +4.63 % to +1.81 % (group 64 asymmetric),
++8.26 % to +4.18 % (group 64 symmetric): docs/bench_int4_quality.md. Same
+tensors as GPTQ: only the scales move.
 """
 
 from __future__ import annotations
