@@ -18,11 +18,7 @@ import torch.nn.utils.parametrize as parametrize
 from torch import nn
 from tqdm import tqdm
 
-from vllm_o3.quantization.int4_format import (
-    SYMMETRIC_ZERO,
-    Int4Weight,
-    unpack_int4,
-)
+from vllm_o3.quantization.int4_format import Int4Weight, dequantize
 from vllm_o3.tools.distill import TeacherCache, kl_step
 
 # Adam on log scales moves each by about this share per step.
@@ -36,13 +32,9 @@ class GroupScales(nn.Module):
     def __init__(self, packed: Int4Weight) -> None:
         super().__init__()
         self.group_size = packed.group_size
-        q = unpack_int4(packed.qweight, dim=0).float()  # [in, out]
-        if packed.qzeros is None:
-            zeros = torch.full_like(q, SYMMETRIC_ZERO)
-        else:
-            zeros = unpack_int4(packed.qzeros, dim=1).float()
-            zeros = zeros.repeat_interleave(self.group_size, dim=0)
-        self.register_buffer("codes", (q - zeros).t().contiguous())
+        # q - zero, [out, in]: the format's weight with every scale 1.
+        unit = Int4Weight(packed.qweight, torch.ones_like(packed.scales), packed.qzeros)
+        self.register_buffer("codes", dequantize(unit, torch.float32).contiguous())
         self.log_scales = nn.Parameter(packed.scales.float().log().t().contiguous())
         self.dtype = packed.scales.dtype
 
