@@ -78,6 +78,10 @@ BROKEN = {
         "router_layers",
     ),
     "hidden_size_text": (lambda f: edit_config(f, hidden_size="big"), "hidden_size"),
+    "attention_bias_without_biases": (
+        lambda f: edit_config(f, attention_bias=True),
+        "model.layers.0.self_attn.k_proj.bias",
+    ),
     "truncated_safetensors": (truncate_weights, "model.safetensors"),
     "int4_tensor_wrong_shape": (
         misshape_int4_tensor,

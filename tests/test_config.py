@@ -52,6 +52,8 @@ def test_saved_config_round_trips_through_autoconfig(tmp_path):
         ("num_key_value_heads", 3, "num_key_value_heads"),
         ("num_attention_heads", 3, "hidden size"),
         ("hidden_act", "gelu", "hidden_act"),
+        ("mlp_bias", True, "mlp_bias"),
+        ("attention_bias", "yes", "attention_bias"),
     ],
 )
 def test_bad_value_is_refused_naming_the_field(field, value, words):

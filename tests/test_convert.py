@@ -1,5 +1,6 @@
 """`vllm-o3 convert` end to end on a small random Llama (training included),
-with one layer given massive-activation tokens; `vllm-o3 eval`."""
+with one layer given massive-activation tokens, and on a small random Qwen2
+(attention biases); `vllm-o3 eval`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
 )
 
 import vllm_o3  # noqa: F401
@@ -28,10 +33,12 @@ from vllm_o3.tools.convert import (
     OperatingPoint,
     build_from_routing,
     convert,
+    o3_from_parent,
     pick,
 )
 from vllm_o3.tools.corpora import pydoc_topics, stdlib_code
 from vllm_o3.tools.evaluate import evaluate_checkpoint
+from vllm_o3.tools.parent import load_parent
 from vllm_o3.tools.tokenizer import train_tokenizer
 
 MASSIVE_LAYER = 2
@@ -75,6 +82,82 @@ def converted(parent, tmp_path_factory):
     return convert(parent, root / "o3", options, corpora=corpora), routing
 
 
+@pytest.fixture(scope="module")
+def qwen2_parent(tmp_path_factory):
+    """A random 4-layer Qwen2, its q/k/v biases far from zero."""
+    tokenizer = train_tokenizer(4096, 2048)
+    config = Qwen2Config(
+        vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in ("q_proj", "k_proj", "v_proj"):
+                getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
+    folder = tmp_path_factory.mktemp("qwen2") / "parent"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def qwen2_converted(qwen2_parent, tmp_path_factory):
+    options = ConvertOptions(
+        heavy_fraction=0.5, fit_windows_per_domain=2, dev_windows_per_domain=1,
+        dtype=torch.float32,
+    )  # fmt: skip
+    out = tmp_path_factory.mktemp("o3_qwen2") / "o3"
+    return convert(qwen2_parent, out, options, corpora={"docs": pydoc_topics()})
+
+
+def test_qwen2_biases_become_attention_bias(qwen2_parent, qwen2_converted):
+    from safetensors.torch import load_file
+
+    config = json.loads((qwen2_converted / "config.json").read_text())
+    assert config["attention_bias"] is True
+    parent = load_file(qwen2_parent / "model.safetensors")
+    o3 = load_file(qwen2_converted / "model.safetensors")
+    for i in range(4):
+        p = f"model.layers.{i}.self_attn"
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert torch.equal(o3[f"{p}.{proj}.bias"], parent[f"{p}.{proj}.bias"])
+        assert not o3[f"{p}.o_proj.bias"].any()
+
+
+def save_mistral(folder, sliding_window: int):
+    """A random 3-layer Mistral whose window is shorter than its positions."""
+    config = MistralConfig(
+        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=4096, sliding_window=sliding_window,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    MistralForCausalLM(config).save_pretrained(folder)
+    train_tokenizer(4096, 4096).save_pretrained(folder)
+
+
+@torch.no_grad()
+def test_sliding_window_parent_becomes_o3_of_that_many_positions(tmp_path):
+    save_mistral(tmp_path, sliding_window=1024)
+    parent = load_parent(tmp_path)
+    o3 = o3_from_parent(parent, router_layers=[1], light_rank=None)
+    assert o3.config.max_position_embeddings == 1024
+    o3.config.router_threshold = 0.0  # empty router and light path: all heavy
+    ids = torch.randint(0, 4096, (1, 1024))
+    expected = parent.model(ids).logits
+    torch.testing.assert_close(o3(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_parent_shorter_than_the_calibration_windows_is_refused(tmp_path):
+    save_mistral(tmp_path / "parent", sliding_window=256)
+    with pytest.raises(ValueError, match="256 positions"):
+        convert(tmp_path / "parent", tmp_path / "o3", ConvertOptions(), corpora={})
+    assert not (tmp_path / "o3").exists()
+
+
 def test_conversion_records_its_operating_point(converted):
     out, _ = converted
     config = json.loads((out / "config.json").read_text())
@@ -96,16 +179,29 @@ def test_layer_with_massive_activations_stays_dense(converted):
     )
 
 
+def parent_and_conversion(request, layout: str):
+    """(parent folder, converted folder) of the Llama or the Qwen2 parent."""
+    if layout == "llama":
+        out, _ = request.getfixturevalue("converted")
+        return request.getfixturevalue("parent"), out
+    return (
+        request.getfixturevalue("qwen2_parent"),
+        request.getfixturevalue("qwen2_converted"),
+    )
+
+
+@pytest.mark.parametrize("layout", ["llama", "qwen2"])
 @torch.no_grad()
-def test_threshold_zero_reproduces_the_parent(parent, converted):
-    out, _ = converted
-    llama = AutoModelForCausalLM.from_pretrained(parent, dtype=torch.float32)
+def test_threshold_zero_reproduces_the_parent(request, layout):
+    parent_folder, out = parent_and_conversion(request, layout)
+    parent = AutoModelForCausalLM.from_pretrained(parent_folder, dtype=torch.float32)
     o3 = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     o3.config.router_threshold = 0.0
     tokenizer = AutoTokenizer.from_pretrained(out)
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
-        torch.testing.assert_close(o3(ids).logits, llama(ids).logits, rtol=0, atol=1e-5)
+        expected = parent(ids).logits
+        torch.testing.assert_close(o3(ids).logits, expected, rtol=0, atol=1e-5)
 
 
 def test_rebuilt_from_saved_routing_is_identical(parent, converted, tmp_path):
@@ -129,10 +225,11 @@ def test_rebuilt_from_saved_routing_is_identical(parent, converted, tmp_path):
             assert torch.equal(copy[name], original[name]), name
 
 
-def test_converted_model_agrees_in_vllm_and_the_reference(converted):
+@pytest.mark.parametrize("layout", ["llama", "qwen2"])
+def test_converted_model_agrees_in_vllm_and_the_reference(request, layout):
     from vllm import SamplingParams
 
-    out, _ = converted
+    _, out = parent_and_conversion(request, layout)
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(out)
     expected = reference_generations(model, tokenizer, PROMPTS, 10, 5)

@@ -50,6 +50,9 @@ def expected_tensor_shapes(config: O3Config) -> dict[str, tuple[int, ...]]:
                 f"{p}.self_attn.o_proj.weight": (H, q_out),
             }
         )
+        if config.attention_bias:
+            for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out), ("o", H)):
+                shapes[f"{p}.self_attn.{name}_proj.bias"] = (size,)
         for name, (out_features, in_features) in (
             ("mlp.gate_proj", (intermediate, H)),
             ("mlp.up_proj", (intermediate, H)),
@@ -105,7 +108,8 @@ def check_tensor(
     if name not in expected:
         raise CheckpointError(
             f"checkpoint tensor {name!r} is not part of this O3 config "
-            "(check num_hidden_layers, router_layers and attn_output_gate)"
+            "(check num_hidden_layers, router_layers, attn_output_gate and "
+            "attention_bias)"
         )
     if tuple(shape) != expected[name]:
         raise CheckpointError(

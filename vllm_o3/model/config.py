@@ -3,7 +3,9 @@
 Both implementations (the plain PyTorch reference and the vLLM model) read this
 class, so a value refused here is refused everywhere. O3 is a Llama-layout
 decoder, so the config extends transformers' `LlamaConfig` and adds the fields
-of Hierarchical Gated Attention (O3_SPEC section 2).
+of Hierarchical Gated Attention (O3_SPEC section 2). Of Llama's own fields it
+takes `attention_bias` (biases on q, k, v and o, as Llama places them: what a
+Qwen2 parent needs) and refuses `mlp_bias`.
 """
 
 from __future__ import annotations
@@ -79,6 +81,11 @@ class O3Config(LlamaConfig):
             raise ValueError(
                 f"num_key_value_heads ({self.num_key_value_heads}) must divide "
                 f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.mlp_bias:
+            raise ValueError(
+                "mlp_bias must be false: O3's FFN projections (16-bit and "
+                "o3_int4) take no bias"
             )
         if self.hidden_act != "silu":
             raise ValueError(

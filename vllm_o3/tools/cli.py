@@ -167,10 +167,10 @@ def add_convert_parser(commands: argparse._SubParsersAction) -> None:
     parser = commands.add_parser(
         "convert",
         help="turn a Llama-family checkpoint into an O3 checkpoint",
-        description="Convert a Llama/Mistral-layout checkpoint (Hugging Face folder "
-        "or .gguf file) into O3: fit light paths and routers on calibration text "
-        "of several domains, pick the operating point within a quality budget, "
-        "optionally distil, calibrate the routers to the spec's threshold.",
+        description="Convert a Llama/Mistral/Qwen2-layout checkpoint (Hugging Face "
+        "folder or .gguf file) into O3: fit light paths and routers on calibration "
+        "text of several domains, pick the operating point within a quality "
+        "budget, optionally distil, calibrate the routers to the spec's threshold.",
     )
     parser.add_argument("src", type=Path, help="HF folder or .gguf file")
     parser.add_argument("out", type=Path, help="O3 checkpoint folder to write")

@@ -102,7 +102,11 @@ def o3_from_parent(
     )
     model = O3ForCausalLM(config).float().eval().requires_grad_(False)
     missing, unexpected = model.load_state_dict(parent.model.state_dict(), strict=False)
-    new = {n for n in missing if ".router." in n or ".light." in n}
+    # A Qwen2 parent has q/k/v biases only; O3's attention_bias adds o_proj's.
+    zeroed = {n for n in missing if n.endswith(".o_proj.bias")}
+    for name in zeroed:
+        model.get_parameter(name).zero_()
+    new = {n for n in missing if ".router." in n or ".light." in n} | zeroed
     if unexpected or set(missing) - new - {"lm_head.weight"}:
         raise ValueError(f"parent tensors do not map onto O3: {unexpected or missing}")
     model.tie_weights()
@@ -219,6 +223,12 @@ def convert(
     started, cpu_started = time.monotonic(), time.process_time()
     torch.manual_seed(options.seed)
     parent = load_parent(src)
+    positions = llama_fields(parent.model.config)["max_position_embeddings"]
+    if positions < WINDOW:
+        raise ValueError(
+            f"{src}: the parent takes {positions} positions (max_position_embeddings "
+            f"or sliding_window), fewer than the {WINDOW}-token calibration windows"
+        )
     corpora = corpora or load_corpora(options.cache)
     tok = parent.tokenizer
     per_domain = options.fit_windows_per_domain

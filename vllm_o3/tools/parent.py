@@ -1,25 +1,31 @@
 """Loading the dense parent of a conversion: a Llama-layout checkpoint from a
 Hugging Face folder or a GGUF file, with its tokenizer.
 
-Llama and Mistral layouts (no attention bias, SwiGLU, RMSNorm, rotary) map to
-O3 one to one. Qwen2's attention bias is not in the O3 spec, so Qwen2 is
-refused rather than converted wrongly.
+Llama, Mistral and Qwen2 layouts (SwiGLU, RMSNorm, rotary) map to O3 one to
+one. Qwen2's q/k/v biases become O3's `attention_bias` (Llama's field, which
+also gives o_proj a bias: zero for a Qwen2 parent, see `o3_from_parent`);
+MLP biases are refused rather than converted wrongly. O3 attention is full
+attention: a parent with a sliding window becomes an O3 model of at most that
+many positions, on which the two agree exactly.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-SUPPORTED_TYPES = ("llama", "mistral")
+logger = logging.getLogger(__name__)
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
 
 @dataclass
 class Parent:
-    model: torch.nn.Module  # transformers' LlamaForCausalLM / MistralForCausalLM
+    model: torch.nn.Module  # transformers' Llama/Mistral/Qwen2ForCausalLM
     tokenizer: object
     source: str
 
@@ -41,19 +47,18 @@ def load_parent(source: str | Path, dtype: torch.dtype = torch.float32) -> Paren
             f"{source}: model_type {config.model_type!r} is not a Llama layout O3 "
             f"can take ({', '.join(SUPPORTED_TYPES)})"
         )
-    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
-        raise ValueError(f"{source}: attention or MLP bias is not in the O3 spec")
-    if getattr(config, "sliding_window", None):
-        raise ValueError(f"{source}: sliding-window attention is not in the O3 spec")
+    if getattr(config, "mlp_bias", False):
+        raise ValueError(f"{source}: MLP bias is not in the O3 spec")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     tokenizer = AutoTokenizer.from_pretrained(folder, **kwargs)
     return Parent(model.eval(), tokenizer, str(source))
 
 
 def llama_fields(config: LlamaConfig) -> dict:
-    """The parent's architecture fields, as an O3Config takes them."""
+    """The parent's architecture fields, as an O3Config takes them (those a
+    layout lacks, such as Qwen2's head_dim, left to O3Config's defaults)."""
     fields = {
-        key: getattr(config, key)
+        key: getattr(config, key, None)
         for key in (
             "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
@@ -61,4 +66,15 @@ def llama_fields(config: LlamaConfig) -> dict:
             "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id",
         )
     }  # fmt: skip
+    fields["attention_bias"] = config.model_type == "qwen2" or getattr(
+        config, "attention_bias", False
+    )
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < fields["max_position_embeddings"]:
+        logger.warning(
+            "parent attends to a sliding window of %d tokens: the O3 model takes "
+            "max_position_embeddings %d (not %d), where full attention is the same",
+            window, window, fields["max_position_embeddings"],
+        )  # fmt: skip
+        fields["max_position_embeddings"] = window
     return {k: v for k, v in fields.items() if v is not None}
