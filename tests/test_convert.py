@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -42,6 +44,19 @@ from vllm_o3.tools.parent import load_parent
 from vllm_o3.tools.tokenizer import train_tokenizer
 
 MASSIVE_LAYER = 2
+PARENT_SHAPE = dict(
+    vocab_size=4096, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=2048,
+)  # fmt: skip
+
+
+def save_parent(folder: Path, model: PreTrainedModel, tokenizer=None) -> Path:
+    """A parent checkpoint folder: `model` and a tokenizer of its vocabulary."""
+    model.save_pretrained(folder)
+    if tokenizer is None:
+        tokenizer = train_tokenizer(model.config.vocab_size, 2048)
+    tokenizer.save_pretrained(folder)
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -49,8 +64,7 @@ def parent(tmp_path_factory):
     """A random 6-layer Llama whose layer 2 FFN gives '.' tokens massive outputs."""
     tokenizer = train_tokenizer(4096, 2048)
     config = LlamaConfig(
-        vocab_size=4096, hidden_size=128, intermediate_size=512, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        **PARENT_SHAPE, intermediate_size=512, num_hidden_layers=6,
         tie_word_embeddings=False, bos_token_id=0, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(0)
@@ -64,10 +78,7 @@ def parent(tmp_path_factory):
         mlp.gate_proj.weight[0] = 400 * direction
         mlp.up_proj.weight[0] = 400 * direction
         mlp.down_proj.weight[:, 0] = 5.0
-    folder = tmp_path_factory.mktemp("llama") / "parent"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_parent(tmp_path_factory.mktemp("llama") / "parent", model, tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +96,8 @@ def converted(parent, tmp_path_factory):
 @pytest.fixture(scope="module")
 def qwen2_parent(tmp_path_factory):
     """A random 4-layer Qwen2, its q/k/v biases far from zero."""
-    tokenizer = train_tokenizer(4096, 2048)
     config = Qwen2Config(
-        vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        **PARENT_SHAPE, intermediate_size=384, num_hidden_layers=4,
         tie_word_embeddings=True, bos_token_id=0, eos_token_id=2,
     )  # fmt: skip
     torch.manual_seed(1)
@@ -97,10 +106,7 @@ def qwen2_parent(tmp_path_factory):
         for layer in model.model.layers:
             for proj in ("q_proj", "k_proj", "v_proj"):
                 getattr(layer.self_attn, proj).bias.normal_(0, 0.5)
-    folder = tmp_path_factory.mktemp("qwen2") / "parent"
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_parent(tmp_path_factory.mktemp("qwen2") / "parent", model)
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +136,11 @@ def test_qwen2_biases_become_attention_bias(qwen2_parent, qwen2_converted):
 def save_mistral(folder, sliding_window: int):
     """A random 3-layer Mistral whose window is shorter than its positions."""
     config = MistralConfig(
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-        max_position_embeddings=4096, sliding_window=sliding_window,
+        **PARENT_SHAPE, intermediate_size=256, num_hidden_layers=3, head_dim=32,
+        sliding_window=sliding_window,
     )  # fmt: skip
     torch.manual_seed(2)
-    MistralForCausalLM(config).save_pretrained(folder)
-    train_tokenizer(4096, 4096).save_pretrained(folder)
+    save_parent(folder, MistralForCausalLM(config))
 
 
 @torch.no_grad()
