@@ -39,7 +39,12 @@ from vllm_o3.tools.distill import cache_teacher, distill
 from vllm_o3.tools.evaluate import ffn_flops_saved, reference_perplexity
 from vllm_o3.tools.fit import LayerFit, calibrate_routers, fit_layer
 from vllm_o3.tools.output import atomic_output_dir
-from vllm_o3.tools.parent import Parent, llama_fields, load_parent
+from vllm_o3.tools.parent import (
+    Parent,
+    full_attention_positions,
+    llama_fields,
+    load_parent,
+)
 
 WINDOW = 512
 HEAVY_FRACTIONS = (0.75, 0.6, 0.5, 0.4, 0.3)
@@ -223,7 +228,7 @@ def convert(
     started, cpu_started = time.monotonic(), time.process_time()
     torch.manual_seed(options.seed)
     parent = load_parent(src)
-    positions = llama_fields(parent.model.config)["max_position_embeddings"]
+    positions = full_attention_positions(parent.model.config)
     if positions < WINDOW:
         raise ValueError(
             f"{src}: the parent takes {positions} positions (max_position_embeddings "

@@ -69,12 +69,20 @@ def llama_fields(config: LlamaConfig) -> dict:
     fields["attention_bias"] = config.model_type == "qwen2" or getattr(
         config, "attention_bias", False
     )
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < fields["max_position_embeddings"]:
+    positions = full_attention_positions(config)
+    if positions < config.max_position_embeddings:
         logger.warning(
             "parent attends to a sliding window of %d tokens: the O3 model takes "
             "max_position_embeddings %d (not %d), where full attention is the same",
-            window, window, fields["max_position_embeddings"],
+            positions, positions, config.max_position_embeddings,
         )  # fmt: skip
-        fields["max_position_embeddings"] = window
+        fields["max_position_embeddings"] = positions
     return {k: v for k, v in fields.items() if v is not None}
+
+
+def full_attention_positions(config: LlamaConfig) -> int:
+    """How many positions the parent takes with attention equal to full
+    attention: its sliding window, if shorter than max_position_embeddings."""
+    window = getattr(config, "sliding_window", None)
+    positions = config.max_position_embeddings
+    return positions if window is None else min(window, positions)
