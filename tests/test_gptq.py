@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 import vllm_o3  # noqa: F401
 from vllm_o3.model import O3Config
-from vllm_o3.model.checkpoint import expected_tensor_shapes
+from vllm_o3.model.checkpoint import expected_tensor_shapes, pop_int4_weights
 from vllm_o3.quantization.gptq import gptq_quantize, refit_scales
 from vllm_o3.quantization.int4_format import (
     FFN_PROJECTIONS,
@@ -147,16 +147,7 @@ def test_scale_tuning_lowers_the_kl_to_16_bit_and_moves_only_scales(
     )  # fmt: skip
     model = load_float32(tiny_checkpoint)
     before = {n: p.clone() for n, p in model.named_parameters()}
-    tensors = load_file(gptq / "model.safetensors")
-    packed = {
-        name.removesuffix(".qweight"): Int4Weight(
-            tensors[name],
-            tensors[name.replace("qweight", "scales")],
-            tensors[name.replace("qweight", "qzeros")],
-        )
-        for name in tensors
-        if name.endswith(".qweight")
-    }
+    packed = pop_int4_weights(load_file(gptq / "model.safetensors"))
     tuned = tune_scales(
         model, packed, calibration.windows, calibration.teacher, steps=12, lr=1e-2
     )

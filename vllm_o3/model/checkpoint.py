@@ -142,6 +142,19 @@ def safetensors_files(folder: str | os.PathLike) -> list[Path]:
     return files
 
 
+def pop_int4_weights(tensors: dict[str, torch.Tensor]) -> dict[str, Int4Weight]:
+    """The `o3_int4` projections of a checkpoint's tensors, by name without
+    `.qweight`, taken out of `tensors`."""
+    return {
+        name.removesuffix(".qweight"): Int4Weight(
+            qweight=tensors.pop(name),
+            scales=tensors.pop(name.replace(".qweight", ".scales")),
+            qzeros=tensors.pop(name.replace(".qweight", ".qzeros"), None),
+        )
+        for name in [n for n in tensors if n.endswith(".qweight")]
+    }
+
+
 def dense_state_dict(
     folder: str | os.PathLike, config: O3Config, dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:
@@ -153,13 +166,7 @@ def dense_state_dict(
     for path in safetensors_files(folder):
         tensors.update(load_file(path))
     if config.int4_format is not None:
-        for name in [n for n in tensors if n.endswith(".qweight")]:
-            base = name.removesuffix(".qweight")
-            packed = Int4Weight(
-                qweight=tensors.pop(name),
-                scales=tensors.pop(f"{base}.scales"),
-                qzeros=tensors.pop(f"{base}.qzeros", None),
-            )
+        for base, packed in pop_int4_weights(tensors).items():
             tensors[f"{base}.weight"] = dequantize(packed, dtype)
     if dtype is not None:
         tensors = {
