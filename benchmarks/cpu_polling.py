@@ -1,15 +1,16 @@
-"""The API server's share of the CPU while the engine generates, with vLLM's
-shared-memory queues polled by `os.sched_yield()` (vLLM's choice,
-`VLLM_O3_CPU_SCHED_YIELD=1`) vs `time.sleep(0)` (the O3 plugin's on CPU),
-same server settings otherwise.
+"""CPU serving with each way vLLM's engine and worker can wait on each other:
+vLLM's automatic binding (a core kept for the engine, whose queue readers spin)
+with `os.sched_yield()` (vLLM's, `VLLM_O3_CPU_SCHED_YIELD=1`) or
+`time.sleep(0)` (the O3 plugin's), and the model's threads on every core with
+the readers spinning on `time.sleep(0)` or waiting for the writer's
+notification (the plugin's choice there); same server settings otherwise.
 
 Per setting and repeat: one long generation alone (decode tokens/s, and the
 latency of `/health` polled every 0.1 s meanwhile), then a burst of streamed
 requests sent at once (time to first token p50/max: how late the later ones
 reach the engine, and total tokens/s). Every probe and every burst request
 opens its own connection, as orchestrators' probes and separate users do.
-Medians over repeats. Writes
-docs/bench_cpu_polling.md.
+Medians over repeats. Writes docs/bench_cpu_polling.md.
 
     python -m benchmarks.cpu_polling MODEL [--repeats 3] [--tokens 1000]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -28,10 +30,24 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.common import write_report
-from vllm_o3.plugin import KEEP_SCHED_YIELD
+from vllm_o3.cpu_queue_polling import KEEP_SCHED_YIELD, NOTIFICATION_WAIT
 from vllm_o3.tools.server import start_server, stop_server
 
-SETTINGS = {"os.sched_yield() (vLLM)": "1", "time.sleep(0) (O3 plugin)": "0"}
+EVERY_CORE = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+SETTINGS = {
+    "auto, os.sched_yield() (vLLM)": {
+        "VLLM_CPU_OMP_THREADS_BIND": "auto",
+        KEEP_SCHED_YIELD: "1",
+    },
+    "auto, time.sleep(0) (O3 plugin)": {"VLLM_CPU_OMP_THREADS_BIND": "auto"},
+    "every core, time.sleep(0)": {
+        "VLLM_CPU_OMP_THREADS_BIND": EVERY_CORE,
+        NOTIFICATION_WAIT: "0",
+    },
+    "every core, notification wait (O3 plugin)": {
+        "VLLM_CPU_OMP_THREADS_BIND": EVERY_CORE
+    },
+}
 
 
 def body(model: str, tokens: int, **fields) -> dict:
@@ -116,11 +132,11 @@ def main() -> None:
     args = parser.parse_args()
     medians = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name, keep in SETTINGS.items():
+        for name, env in SETTINGS.items():
             server = start_server(
                 args.model, Path(scratch) / "server.log",
                 "--max-num-seqs", str(args.max_num_seqs), "--max-model-len", "2048",
-                env={KEEP_SCHED_YIELD: keep},
+                env=env,
             )  # fmt: skip
             try:
                 asyncio.run(measure(server.url, 64, args.max_num_seqs))  # warm-up
@@ -137,27 +153,33 @@ def main() -> None:
         f"{m['ttft_max'] * 1e3:.0f} | {m['burst_tok_s']:.0f} |"
         for name, m in medians.items()
     ]
-    yielding, sleeping = medians.values()
+    vllm = next(iter(medians.values()))
+    ratios = [
+        f"- {name}: decode {m['decode_tok_s'] / vllm['decode_tok_s']:.2f}x, burst "
+        f"throughput {m['burst_tok_s'] / vllm['burst_tok_s']:.2f}x, worst /health "
+        f"{m['health_max'] / vllm['health_max']:.2f}x, worst burst TTFT "
+        f"{m['ttft_max'] / vllm['ttft_max']:.2f}x"
+        for name, m in list(medians.items())[1:]
+    ]
     body_text = "\n".join([
         f"Model `{args.model}`, `--max-num-seqs {args.max_num_seqs}`; medians of "
         f"{args.repeats} repeats. Alone: one request of {args.tokens} tokens, "
         f"`/health` polled every 0.1 s meanwhile. Burst: {args.max_num_seqs} "
-        f"streamed requests of {args.tokens // 4} tokens sent at once.",
+        f"streamed requests of {args.tokens // 4} tokens sent at once. Binding: "
+        "`auto` is vLLM's (`VLLM_CPU_OMP_THREADS_BIND` unset: a core kept for the "
+        f"engine), `every core` is `VLLM_CPU_OMP_THREADS_BIND={EVERY_CORE}`.",
         "",
-        "| queue polling | decode tok/s alone | /health p50 / max ms | "
+        "| binding, queue polling | decode tok/s alone | /health p50 / max ms | "
         "burst TTFT p50 / max ms | burst tok/s |",
         "|---|---|---|---|---|",
         *rows,
         "",
-        f"`time.sleep(0)` vs `sched_yield`: decode "
-        f"{sleeping['decode_tok_s'] / yielding['decode_tok_s']:.2f}x, burst "
-        f"throughput {sleeping['burst_tok_s'] / yielding['burst_tok_s']:.2f}x, "
-        f"worst /health {yielding['health_max'] / sleeping['health_max']:.0f}x "
-        f"lower, worst burst TTFT "
-        f"{yielding['ttft_max'] / sleeping['ttft_max']:.1f}x lower.",
+        "Against the first row:",
+        "",
+        *ratios,
     ])  # fmt: skip
     print(body_text)
-    title = "CPU serving: vLLM's queue polling with sched_yield vs sleep(0)"
+    title = "CPU serving: how vLLM's engine and worker wait on each other"
     print(f"written to {write_report('bench_cpu_polling', title, body_text)}")
 
 

@@ -5,11 +5,25 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from vllm_o3.plugin import KEEP_SCHED_YIELD
+from tests.utils import (
+    PROMPTS,
+    check_logprobs_close,
+    reference_generations,
+    vllm_engine,
+    vllm_generations,
+)
+from vllm_o3.cpu_queue_polling import (
+    KEEP_SCHED_YIELD,
+    NOTIFICATION_WAIT,
+    notification_wait,
+    omp_threads_take_every_core,
+)
 
 # Prints whether this process may use the AMX tile state, before and after the
 # plugin's registration (arch_prctl ARCH_GET_XCOMP_PERM, bit XFEATURE_XTILEDATA).
@@ -69,3 +83,96 @@ def test_vllms_queues_poll_through_the_switch_the_plugin_sets():
 
     assert shm_broadcast.sched_yield is utils.sched_yield
     assert "USE_SCHED_YIELD" in inspect.getsource(utils.sched_yield)
+
+
+@pytest.mark.parametrize(
+    "bind, reserved, every_core",
+    [
+        ("auto", None, False),  # vLLM reserves a core for the engine
+        ("auto", "0", True),
+        ("nobind", None, True),
+        ("0-1", None, True),
+        ("0,1", None, True),
+        ("0", None, False),
+        ("0|1", None, True),  # two ranks, one core each
+        ("0-3", None, True),  # more cores than this process may use
+        ("zero", None, False),  # vLLM refuses it
+    ],
+)
+def test_which_bindings_leave_the_engine_no_core(bind, reserved, every_core):
+    assert omp_threads_take_every_core(bind, reserved, {0, 1}) is every_core
+
+
+def reader_cpu_and_latency(wait, pause: float = 0.5) -> tuple[float, float]:
+    """A vLLM queue reader (a thread) takes one message, then waits `pause`
+    seconds, busy, for the next: its CPU time and how late that message
+    arrived."""
+    from vllm.distributed.device_communicators.shm_broadcast import (
+        MessageQueue,
+        SpinCondition,
+    )
+
+    writer = MessageQueue(1, 1)
+    seen = {}
+
+    def read() -> None:
+        reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        reader.wait_until_ready()
+        assert reader.dequeue() == "first"
+        cpu = time.thread_time()
+        seen["second"] = reader.dequeue()
+        seen["arrived"] = time.perf_counter()
+        seen["cpu"] = time.thread_time() - cpu
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(SpinCondition, "wait", wait)
+        thread = threading.Thread(target=read)
+        thread.start()
+        writer.wait_until_ready()
+        writer.enqueue("first")
+        time.sleep(pause)
+        sent = time.perf_counter()
+        writer.enqueue("second")
+        thread.join(10)
+    assert seen["second"] == "second"
+    return seen["cpu"], seen["arrived"] - sent
+
+
+def test_a_busy_reader_waits_for_the_notification_instead_of_spinning():
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    vllm_wait = getattr(SpinCondition.wait, "vllm_wait", SpinCondition.wait)
+    spinning_cpu, _ = reader_cpu_and_latency(vllm_wait)
+    cpu, latency = reader_cpu_and_latency(notification_wait(vllm_wait))
+    # vLLM's reader spins through the pause; this one sleeps through it.
+    assert spinning_cpu > 0.2, spinning_cpu
+    assert cpu < 0.05, cpu
+    assert latency < 0.05, latency
+
+
+def uses_notification_wait(model) -> bool:
+    from vllm.distributed.device_communicators.shm_broadcast import SpinCondition
+
+    return hasattr(SpinCondition.wait, "vllm_wait")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="CPU affinity")
+def test_an_engine_on_every_core_waits_for_notifications_and_generates(
+    tiny_checkpoint, monkeypatch
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams
+
+    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cores)
+    monkeypatch.delenv(NOTIFICATION_WAIT, raising=False)
+    greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
+    with vllm_engine(tiny_checkpoint) as llm:
+        assert llm.apply_model(uses_notification_wait) == [True]
+        generations = vllm_generations(llm.generate(PROMPTS, greedy, use_tqdm=False))
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_checkpoint, dtype=torch.float32
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    expected = reference_generations(reference, tokenizer, PROMPTS, 12, 5)
+    check_logprobs_close(expected, generations, "reference", "vllm")

@@ -8,10 +8,10 @@ import shutil
 import sys
 import tempfile
 
+from vllm_o3.cpu_queue_polling import configure_queue_polling
 from vllm_o3.quantization.int4_format import QUANT_METHOD
 
 VLLM_MODEL_CLASS = "vllm_o3.model.vllm_model:O3ForCausalLM"
-KEEP_SCHED_YIELD = "VLLM_O3_CPU_SCHED_YIELD"
 
 
 def register_with_transformers() -> None:
@@ -71,42 +71,10 @@ def request_amx_tiles() -> None:
         torch.cpu._init_amx()
 
 
-def poll_without_sched_yield() -> None:
-    """On CPU, make vLLM's shared-memory queues spin on `time.sleep(0)`
-    rather than `os.sched_yield()` (vLLM's own choice on Pythons whose
-    `sched_yield` holds the GIL).
-
-    The engine core and the worker each spin for a second after every message
-    between them, calling `sched_yield`, and on CPU they share the machine's
-    cores with the API server. Seen on Linux 6.18 (2 cores, a VM): a process
-    on the same core as a `sched_yield` spinner got no CPU until the engine
-    went idle, so the API server answered `/health` after 4-6 s during a
-    single generation, requests reached the scheduler one at a time, and the
-    kernel reported a workqueue stalled for 36 s; with `time.sleep(0)`,
-    0.02-0.06 s. `VLLM_O3_CPU_SCHED_YIELD=1` keeps vLLM's polling.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or os.environ.get(KEEP_SCHED_YIELD) == "1":
-        return
-    from vllm.distributed import utils
-
-    if not hasattr(utils, "USE_SCHED_YIELD"):
-        from vllm.logger import init_logger
-
-        init_logger(__name__).warning_once(
-            "vllm.distributed.utils has no USE_SCHED_YIELD in this vLLM: its "
-            "queues keep polling with sched_yield, which can starve the API "
-            "server on CPU (docs/reliability.md)."
-        )
-        return
-    utils.USE_SCHED_YIELD = False
-
-
 def register() -> None:
     """vLLM plugin entry point: O3's config, model class, metrics and the
     `o3_int4` quantization method; the AMX tile state where the CPU has it and
-    polling that leaves CPU cores to the API server."""
+    queue polling that leaves CPU cores to the API server and the model."""
     from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import (
         QUANTIZATION_METHODS,
@@ -116,7 +84,7 @@ def register() -> None:
     register_with_transformers()
     share_worker_metrics()
     request_amx_tiles()
-    poll_without_sched_yield()
+    configure_queue_polling()
     if "O3ForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("O3ForCausalLM", VLLM_MODEL_CLASS)
     if QUANT_METHOD not in QUANTIZATION_METHODS:
