@@ -99,7 +99,7 @@ def configure_queue_polling() -> None:
     if block and not hasattr(SpinCondition.wait, "vllm_wait"):
         SpinCondition.wait = notification_wait(SpinCondition.wait)
         logger.info_once(
-            "CPU: the model's threads take every core, so vLLM's queue readers "
-            "wait for notifications instead of spinning (%s=0 to spin).",
+            "CPU: vLLM's queue readers block on the writer's notification "
+            "instead of spinning (%s=0 spins).",
             NOTIFICATION_WAIT,
         )
