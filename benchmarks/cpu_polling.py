@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -30,10 +29,14 @@ import httpx
 from tqdm import tqdm
 
 from benchmarks.common import write_report
-from vllm_o3.cpu_queue_polling import KEEP_SCHED_YIELD, NOTIFICATION_WAIT
+from vllm_o3.cpu_queue_polling import (
+    KEEP_SCHED_YIELD,
+    NOTIFICATION_WAIT,
+    every_core_binding,
+)
 from vllm_o3.tools.server import start_server, stop_server
 
-EVERY_CORE = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+EVERY_CORE = every_core_binding()
 SETTINGS = {
     "auto, os.sched_yield() (vLLM)": {
         "VLLM_CPU_OMP_THREADS_BIND": "auto",

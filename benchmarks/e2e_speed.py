@@ -23,11 +23,11 @@ import os
 import statistics
 import time
 
+from vllm_o3.cpu_queue_polling import every_core_binding
+
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # router_counts
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-os.environ.setdefault(
-    "VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0))))
-)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", every_core_binding())
 
 PREFILL_PROMPTS, PREFILL_LEN = 16, 512
 DECODE_PROMPT_LEN, DECODE_TOKENS = 32, 64

@@ -21,6 +21,7 @@ from tests.utils import (
 from vllm_o3.cpu_queue_polling import (
     KEEP_SCHED_YIELD,
     NOTIFICATION_WAIT,
+    every_core_binding,
     notification_wait,
     omp_threads_take_every_core,
 )
@@ -164,8 +165,7 @@ def test_an_engine_on_every_core_waits_for_notifications_and_generates(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams
 
-    cores = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", cores)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", every_core_binding())
     monkeypatch.delenv(NOTIFICATION_WAIT, raising=False)
     greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=5, ignore_eos=True)
     with vllm_engine(tiny_checkpoint) as llm:

@@ -28,6 +28,11 @@ NOTIFICATION_WAIT = "VLLM_O3_CPU_NOTIFICATION_WAIT"
 NOTIFICATION_POLL_MS = 1
 
 
+def every_core_binding() -> str:
+    """A `VLLM_CPU_OMP_THREADS_BIND` value naming every core this process may use."""
+    return ",".join(map(str, sorted(os.sched_getaffinity(0))))
+
+
 def omp_threads_take_every_core(
     bind: str, reserved: str | None, cpus: set[int]
 ) -> bool:
