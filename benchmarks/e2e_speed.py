@@ -7,9 +7,10 @@
 
 For each compilation mode (vLLM's default compiled mode, and eager), one
 engine per variant, side by side, measures prefill tokens/s (16 prompts of
-512 tokens of real text, one step each) and decode tokens/s at batch 1 and
-16, with the routers' heavy fraction during each measurement and the bytes
-of the loaded weights. Medians of repeats. The engines' threads get every
+512 tokens of real text, other text each repeat, as a server sees) and
+decode tokens/s at batch 1 and 16, with the routers' heavy fraction during
+each measurement and the bytes of the loaded weights. Medians of repeats,
+after a warm-up of each measurement. The engines' threads get every
 CPU of this process: vLLM's automatic binding keeps one core for its front
 end, which on a two-core machine halves the model's compute.
 
@@ -58,7 +59,7 @@ VARIANTS = {
 class Engine:
     """One LLM plus the measurements, each with its heavy fraction."""
 
-    def __init__(self, model: str, options: dict, eager: bool):
+    def __init__(self, model: str, options: dict, eager: bool, prefills: int):
         from vllm import LLM
 
         self.llm = LLM(
@@ -72,7 +73,13 @@ class Engine:
             seed=0,
         )
         tokenizer = self.llm.get_tokenizer()
-        self.prefill_prompts = text_windows(tokenizer, PREFILL_PROMPTS, PREFILL_LEN)
+        windows = text_windows(tokenizer, PREFILL_PROMPTS * prefills, PREFILL_LEN)
+        # One batch per prefill call, in turn: each call routes new text.
+        self.prefill_batches = [
+            windows[i : i + PREFILL_PROMPTS]
+            for i in range(0, len(windows), PREFILL_PROMPTS)
+        ]
+        self.prefills = 0
         self.decode_prompts = text_windows(tokenizer, 16, DECODE_PROMPT_LEN)
 
     def heavy_tokens(self) -> tuple[int, int]:
@@ -95,7 +102,9 @@ class Engine:
         return seconds, (heavy1 - heavy0) / max(1, total1 - total0)
 
     def prefill(self) -> tuple[float, float]:
-        seconds, heavy = self.timed(self.prefill_prompts, 1)
+        batch = self.prefill_batches[self.prefills % len(self.prefill_batches)]
+        self.prefills += 1
+        seconds, heavy = self.timed(batch, 1)
         return PREFILL_PROMPTS * PREFILL_LEN / seconds, heavy
 
     def decode(self, batch: int) -> tuple[float, float]:
@@ -128,8 +137,9 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
     engines: dict[str, Engine] = {}
     try:
         for label, options in variants:
-            engines[label] = Engine(model, options, eager)
-            engines[label].timed(engines[label].decode_prompts[:2], 4)  # warm-up
+            engines[label] = Engine(model, options, eager, 1 + repeats)
+            for run in METRICS.values():  # warm-up
+                run(engines[label])
         samples = {(label, metric): [] for label in engines for metric in METRICS}
         order = list(engines.items())
         for _ in range(repeats):
@@ -196,9 +206,11 @@ def main() -> None:
     )
     body = (
         f"Model: `{args.model}`. Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} "
-        f"tokens in one step. Decode: prompts of {DECODE_PROMPT_LEN} tokens, "
+        "tokens of text, other text each repeat. Decode: prompts of "
+        f"{DECODE_PROMPT_LEN} tokens, "
         f"{DECODE_TOKENS} greedy tokens, prefill time subtracted. Prefix caching "
-        f"off; medians of {args.repeats} repeats (the ratio: median of each repeat's); "
+        f"off; a warm-up of each metric, then medians of {args.repeats} repeats "
+        "(the ratio: median of each repeat's); "
         "heavy fraction over all routed layers during the measurement; the two "
         "engines run side by side, repeats interleaved, each repeat in the other "
         "order.\n\n"

@@ -45,6 +45,7 @@ def build_layers(hidden: int, intermediate: int, light_rank: int, router_hidden:
             method = getattr(sub, "quant_method", None)
             if method is not None:
                 method.process_weights_after_loading(sub)  # CPU GEMM packing
+    light.use_cpu_gemm()  # as the engine's O3 layers do
     return mlp, light, router
 
 
@@ -89,7 +90,7 @@ def bench_shape(name: str, repeats: int) -> list[str]:
         light.up.weight,
     )
     variants = {
-        "kernel": lambda u, t: cpu_routed_ffn.routed_ffn_cpu(u, packed, t, mlp),
+        "kernel": lambda u, t: cpu_routed_ffn.routed_ffn_cpu(u, packed, t, mlp, light),
         "pytorch": lambda u, t: routed_ffn_torch(u, router(u), t, mlp, light),
     }
     rows = []
@@ -152,9 +153,11 @@ def main() -> None:
     body = (
         f"bf16, vLLM 0.32 CPU layers with their oneDNN packing. Shapes: {shapes}. "
         "Routed = router + compaction + full FFN on heavy rows + light path on "
-        "the rest: as the engine runs it on this CPU (router and light path in "
-        "one C++ call, `cpu_routed_ffn`), and in PyTorch (`routed_ffn_torch`, "
-        "what runs where the C++ kernel cannot); medians of repeats (T = 1: "
+        "the rest: as the engine runs it on this CPU (`cpu_routed_ffn`: the "
+        "router in C++; below 8 rows the light path too, in the same call, from "
+        "8 rows the light rows through vLLM's CPU GEMM), and in PyTorch "
+        "(`routed_ffn_torch`, what runs where the C++ kernel cannot); medians "
+        "of repeats (T = 1: "
         "mean per call over 200 single-token calls with that share heavy, the dense FFN timed the same "
         "way).\n\n" + table
     )

@@ -1,8 +1,9 @@
 """The CPU routed FFN's C++ router and light path against their plain PyTorch
 definition (`routing.router_scores_torch`, the light path as two bfloat16
 linears, `routing.routed_ffn_torch`), on random odd shapes and heavy
-fractions 0, partial and 1; and a bfloat16 engine that runs it, against the
-same engine on the PyTorch path."""
+fractions 0, partial and 1, in batches the fused kernel takes and batches
+whose light rows go to the light path's GEMM; and a bfloat16 engine that
+runs it, against the same engine on the PyTorch path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import torch.nn.functional as F
 
 from tests.utils import PROMPTS, check_logprobs_close, vllm_engine, vllm_generations
 from vllm_o3.kernels import cpu_routed_ffn
-from vllm_o3.kernels.routing import routed_ffn_torch, router_scores_torch
+from vllm_o3.kernels.routing import (
+    on_rows,
+    routed_ffn_torch,
+    router_scores_torch,
+    row_bucket,
+)
 from vllm_o3.model.router_trace import routed_layers, router_counts
 
 SHAPES = [  # (T, H, light_rank, router_hidden)
@@ -23,7 +29,13 @@ SHAPES = [  # (T, H, light_rank, router_hidden)
     (33, 128, 16, 64),
     (70, 80, 10, 100),
     (5, 576, 72, 64),
+    (40, 576, 72, 64),
 ]
+assert (
+    min(t for t, *_ in SHAPES)
+    < cpu_routed_ffn.FUSED_MAX_ROWS
+    < max(t for t, *_ in SHAPES)
+), "the shapes must cover both the fused kernel and the router + light GEMM"
 
 
 def test_the_kernel_runs_where_the_cpu_has_avx512_bf16():
@@ -40,6 +52,27 @@ def test_it_says_why_it_does_not_take_a_layer():
     assert "not a multiple of 16" in cpu_routed_ffn.unavailable_reason(
         torch.bfloat16, 100
     )
+
+
+def test_row_buckets_are_few_and_tight():
+    assert [row_bucket(n) for n in range(17)] == list(range(17))  # decode sizes
+    for n in range(17, 20_000):
+        assert n <= row_bucket(n) < n + n / 16
+        assert row_bucket(row_bucket(n)) == row_bucket(n)
+    assert len({row_bucket(n) for n in range(4096, 8192)}) == 16
+
+
+def test_a_padded_gather_gives_each_row_its_own_output():
+    u = torch.randn(300, 8)
+    rows = torch.randperm(300)[:77]
+    sizes = []
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        sizes.append(x.shape[0])
+        return x * 2
+
+    torch.testing.assert_close(on_rows(u, rows, twice), u[rows] * 2)
+    assert sizes == [row_bucket(77)] and row_bucket(77) > 77
 
 
 needs_kernel = pytest.mark.skipif(
@@ -110,7 +143,7 @@ def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
     )
     counts = torch.tensor([3, 5])
     got, scores, num_heavy = cpu_routed_ffn.routed_ffn_cpu(
-        u, layer.packed(), threshold, layer.heavy, counts
+        u, layer.packed(), threshold, layer.heavy, layer.light, counts
     )
     torch.testing.assert_close(scores, want_scores, rtol=1e-5, atol=1e-6)
     assert num_heavy == want_heavy == round(fraction * T)
@@ -124,9 +157,27 @@ def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
 def test_without_counts_nothing_is_counted_and_all_light_rows_are_written():
     layer = Layer(64, 8, 16)
     u = torch.randn(64, 9).bfloat16().t()  # not contiguous
-    y, _, num_heavy = cpu_routed_ffn.routed_ffn_cpu(u, layer.packed(), 2.0, layer.heavy)
+    y, _, num_heavy = cpu_routed_ffn.routed_ffn_cpu(
+        u, layer.packed(), 2.0, layer.heavy, layer.light
+    )
     assert num_heavy == 0
     torch.testing.assert_close(y, layer.light(u), rtol=0.02, atol=0.02)
+
+
+@needs_kernel
+def test_a_tokens_score_does_not_depend_on_its_batch():
+    # Rows are scored in tiles; a row's sums must not depend on its tile, or
+    # a token could change path with the batch it was scheduled in.
+    layer = Layer(128, 16, 64)
+    packed = layer.packed()
+    u = torch.randn(23, 128).bfloat16()
+    args = (packed.w1t, packed.b1, packed.w2, packed.b2, 0.5, None)
+    batch = torch.ops.o3_cpu.route(u, *args)[0]
+    for row in (0, 5, 22):
+        alone = torch.ops.o3_cpu.route(u[row : row + 1], *args)[0]
+        assert alone.item() == batch[row].item()
+    shifted = torch.ops.o3_cpu.route(u[3:], *args)[0]
+    assert torch.equal(shifted, batch[3:])
 
 
 @needs_kernel
@@ -138,7 +189,7 @@ def test_a_bad_weight_is_refused_by_name():
     )
     with pytest.raises(RuntimeError, match="routed_light: up holds"):
         cpu_routed_ffn.routed_ffn_cpu(
-            torch.randn(2, 64).bfloat16(), packed, 0.5, layer.heavy
+            torch.randn(2, 64).bfloat16(), packed, 0.5, layer.heavy, layer.light
         )
 
 
@@ -147,8 +198,8 @@ def test_a_bad_weight_is_refused_by_name():
 def test_its_registration_and_fake_agree_with_it(fraction):
     """torch.library's own checks: the schema (counts mutated in place), the
     fake's outputs (data-dependent row counts) against the real ones, and the
-    op traced as torch.compile would, where every output value is defined
-    (a split leaves the heavy rows of y for the caller)."""
+    ops traced as torch.compile would, where every output value is defined
+    (routed_light's split leaves the heavy rows of y for the caller)."""
     layer = Layer(64, 8, 16)
     u = torch.randn(6, 64).bfloat16()
     packed = layer.packed()
@@ -161,6 +212,11 @@ def test_its_registration_and_fake_agree_with_it(fraction):
         torch.ops.o3_cpu.routed_light.default,
         (*args, packed.rank, threshold, torch.zeros(2, dtype=torch.int64)),
         test_utils=checks,
+    )
+    # route's outputs are all defined: every check, the traced one included.
+    torch.library.opcheck(
+        torch.ops.o3_cpu.route.default,
+        (*args[:5], threshold, torch.zeros(2, dtype=torch.int64)),
     )
 
 

@@ -1,11 +1,14 @@
-"""The routed FFN on CPUs: router, partition and light path of a whole batch
-in one C++ call (`csrc/routed_light_cpu.cpp`), the full FFN on the heavy rows
-only.
+"""The routed FFN on CPUs: the router in C++ (`csrc/routed_light_cpu.cpp`),
+the full FFN on the heavy rows only.
 
-In PyTorch (`routing.routed_ffn_torch`, which defines it and runs where the
-C++ kernels cannot) the router and light path are a dozen operations per
-layer, whose dispatch alone made a light token cost a third of a heavy one
-on a small model at decode sizes (docs/bench_routed_ffn_layer.md).
+At decode sizes router, partition and light path run in one C++ call: in
+PyTorch (`routing.routed_ffn_torch`, which defines it and runs where the C++
+kernels cannot) they are a dozen operations per layer, whose dispatch alone
+made a light token cost a third of a heavy one on a small model
+(docs/bench_routed_ffn_layer.md). From FUSED_MAX_ROWS rows on, the light rows
+go through the caller's light path instead, which on the CPU is vLLM's own
+GEMM dispatch (AMX tiles where the CPU has them: at 7,680 rows 10 ms against
+the AVX-512 kernel's 92 ms for the 1b preset's light path).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_o3.kernels import cpu_kernels
-from vllm_o3.kernels.routing import with_heavy_rows
+from vllm_o3.kernels.routing import routed_rows, with_heavy_rows
 
 LANES = 16  # float32 lanes of AVX-512: output channels per block
 ROUTER_CHUNK = 64  # router hidden units per pass of the kernel
+# Rows from which the light path leaves the fused kernel: at 4 rows both
+# take the same time, at 16 the GEMM 4x less (1b preset's shapes, AMX).
+FUSED_MAX_ROWS = 8
 
 
 class CpuRoutedWeights(nn.Module):
@@ -87,6 +93,15 @@ def pack_routed_weights(
     )
 
 
+def _route_fake(u, w1t, b1, w2, b2, threshold, counts):
+    ctx = torch.library.get_ctx()
+    return (
+        u.new_empty(u.shape[0], dtype=torch.float32),
+        u.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
+        u.new_empty(ctx.new_dynamic_size(), dtype=torch.int64),
+    )
+
+
 def _routed_light_fake(u, w1t, b1, w2, b2, down, up, rank, threshold, counts):
     """Row counts of the light output (all or none) and of the heavy-row
     list depend on the scores."""
@@ -105,6 +120,7 @@ def _kernels_reason() -> str | None:
         # What torch.compile would trace; the routed FFN op that calls this
         # is opaque to it anyway.
         torch.library.register_fake("o3_cpu::routed_light")(_routed_light_fake)
+        torch.library.register_fake("o3_cpu::route")(_route_fake)
     return reason
 
 
@@ -122,13 +138,23 @@ def routed_ffn_cpu(
     weights: CpuRoutedWeights,
     threshold: float,
     heavy_ffn: Callable[[torch.Tensor], torch.Tensor],
+    light_path: Callable[[torch.Tensor], torch.Tensor],
     counts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(output, float32 router scores, number of heavy rows) for `u` [T, H];
-    `counts` ([heavy, real] rows, int64), if given, gains this batch's."""
-    u = u.contiguous()  # the kernel reads rows in place
-    y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
-        u, weights.w1t, weights.b1, weights.w2, weights.b2,
-        weights.down, weights.up, weights.rank, threshold, counts,
-    )  # fmt: skip
-    return with_heavy_rows(u, y, heavy_rows, heavy_ffn), scores, heavy_rows.shape[0]
+    `counts` ([heavy, real] rows, int64), if given, gains this batch's.
+    `light_path` (the layer's, on `weights`' light weights) runs the light
+    rows of batches of FUSED_MAX_ROWS rows or more."""
+    u = u.contiguous()  # the kernels read rows in place
+    if u.shape[0] < FUSED_MAX_ROWS:
+        y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
+            u, weights.w1t, weights.b1, weights.w2, weights.b2,
+            weights.down, weights.up, weights.rank, threshold, counts,
+        )  # fmt: skip
+        num_heavy = heavy_rows.shape[0]
+        return with_heavy_rows(u, y, heavy_rows, heavy_ffn), scores, num_heavy
+    scores, heavy_rows, light_rows = torch.ops.o3_cpu.route(
+        u, weights.w1t, weights.b1, weights.w2, weights.b2, threshold, counts
+    )
+    y = routed_rows(u, heavy_rows, light_rows, heavy_ffn, light_path)
+    return y, scores, heavy_rows.shape[0]

@@ -55,23 +55,57 @@ def routed_ffn_torch(
     light_path: Callable[[torch.Tensor], torch.Tensor],
 ) -> tuple[torch.Tensor, int]:
     """Heavy rows through `heavy_ffn`, the rest through `light_path`, each on
-    only its own rows; returns (output, number of heavy rows).
-
-    Reads the heavy count on the host, which costs nothing on the CPU; a batch
-    that goes all one way (every decode step of a lone request) needs no
-    gather at all.
-    """
+    only its own rows; returns (output, number of heavy rows)."""
     heavy = scores >= threshold
     num_heavy = int(heavy.sum())
-    if num_heavy == u.shape[0]:
-        return heavy_ffn(u), num_heavy
-    if num_heavy == 0:
-        return light_path(u), 0
+    if num_heavy in (0, u.shape[0]):  # all one way: no partition to sort
+        return (heavy_ffn(u) if num_heavy else light_path(u)), num_heavy
     order = torch.argsort(heavy.logical_not().to(torch.int8), stable=True)
     heavy_rows, light_rows = order[:num_heavy], order[num_heavy:]
+    return routed_rows(u, heavy_rows, light_rows, heavy_ffn, light_path), num_heavy
+
+
+def routed_rows(
+    u: torch.Tensor,
+    heavy_rows: torch.Tensor,
+    light_rows: torch.Tensor,
+    heavy_ffn: Callable[[torch.Tensor], torch.Tensor],
+    light_path: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """Each path on its own rows only. Reads the row counts on the host,
+    which costs nothing on the CPU; a batch that goes all one way (every
+    decode step of a lone request) needs no gather at all."""
+    if light_rows.shape[0] == 0:
+        return heavy_ffn(u)
+    if heavy_rows.shape[0] == 0:
+        return light_path(u)
     y = torch.empty_like(u)
-    y.index_copy_(0, light_rows, light_path(u.index_select(0, light_rows)))
-    return with_heavy_rows(u, y, heavy_rows, heavy_ffn), num_heavy
+    y.index_copy_(0, light_rows, on_rows(u, light_rows, light_path))
+    return with_heavy_rows(u, y, heavy_rows, heavy_ffn)
+
+
+def row_bucket(rows: int) -> int:
+    """`rows` rounded up to one of few sizes: exact up to 16, then 16 sizes
+    per doubling (at most 1/16 more rows)."""
+    if rows <= 16:
+        return rows
+    step = 1 << (rows.bit_length() - 5)
+    return -(-rows // step) * step
+
+
+def on_rows(
+    u: torch.Tensor, rows: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`fn` on the given rows of `u`, gathered to row_bucket rows (the first
+    row repeated; those outputs are dropped). A path's row count changes with
+    every batch, and on the CPU each new count costs oneDNN a new GEMM
+    primitive and the allocator a block of a new size: fresh pages to fault
+    in where no freed block fits (docs/bench_e2e_routing.md)."""
+    n = rows.shape[0]
+    padded = row_bucket(n)
+    if padded > n:
+        rows = torch.cat([rows, rows[:1].expand(padded - n)])
+    return fn(u.index_select(0, rows))[:n]
 
 
 def with_heavy_rows(
@@ -87,5 +121,5 @@ def with_heavy_rows(
     if num_heavy == u.shape[0]:
         return heavy_ffn(u)
     if num_heavy:
-        light_out.index_copy_(0, heavy_rows, heavy_ffn(u.index_select(0, heavy_rows)))
+        light_out.index_copy_(0, heavy_rows, on_rows(u, heavy_rows, heavy_ffn))
     return light_out

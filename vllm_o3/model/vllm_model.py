@@ -26,6 +26,7 @@ from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     UnquantizedLinearMethod,
 )
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.llama import (
     LlamaAttention,
@@ -93,6 +94,11 @@ class ReplicatedWeights(nn.Module):
                 torch.empty(out_features, dtype=dtype), requires_grad=False
             )
             self.bias.weight_loader = default_weight_loader
+        # The GEMM: F.linear, or on the CPU what vLLM's GEMM dispatch sets.
+        self.cpu_linear = F.linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cpu_linear(x, self.weight, self.bias)
 
 
 class O3Router(nn.Module):
@@ -127,7 +133,14 @@ class O3LightPath(nn.Module):
         self.up = ReplicatedWeights(light_rank, hidden_size, dtype, bias=False)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.linear(u, self.down.weight), self.up.weight)
+        return self.up(self.down(u))
+
+    def use_cpu_gemm(self) -> None:
+        """vLLM's CPU GEMM for both linears, as its own linears get (AMX
+        tiles where the CPU has them); the plain weights stay for the C++
+        kernel's packing."""
+        for linear in (self.down, self.up):
+            dispatch_cpu_unquantized_gemm(linear, remove_weight=False)
 
 
 class O3Attention(LlamaAttention):
@@ -239,6 +252,7 @@ class O3DecoderLayer(LlamaDecoderLayer):
                 self.cpu_weights,
                 self.router_threshold,
                 self.mlp,
+                self.light,
                 self.route_counts if counting else None,
             )
         else:
@@ -268,7 +282,9 @@ class O3DecoderLayer(LlamaDecoderLayer):
 
     def prepare_cpu_kernel(self) -> None:
         """Hands the router and light path to the C++ CPU kernel, once weights
-        are final; where it cannot take them, PyTorch runs them (logged)."""
+        are final; where it cannot take them, PyTorch runs them (logged). The
+        light path's linears get vLLM's CPU GEMMs either way."""
+        self.light.use_cpu_gemm()
         reason = cpu_routed_ffn.unavailable_reason(
             self.light.down.weight.dtype, self.light.down.weight.shape[1]
         )

@@ -1,17 +1,18 @@
-// The routed FFN's router and light path for a whole batch in one call, on
-// x86 CPUs with AVX512-BF16. In PyTorch they are a dozen small operations per
-// layer (an upcast, two float32 linears, silu, sigmoid, the threshold, the
-// partition, two bfloat16 linears), each with its own dispatch: at decode
-// sizes that dispatch made a light token cost 40 % of a heavy one on a small
-// model (docs/bench_routed_ffn_layer.md).
+// The routed FFN's router and light path, on x86 CPUs with AVX512-BF16. In
+// PyTorch they are a dozen small operations per layer (an upcast, two float32
+// linears, silu, sigmoid, the threshold, the partition, two bfloat16
+// linears), each with its own dispatch: at decode sizes that dispatch made a
+// light token cost 40 % of a heavy one on a small model
+// (docs/bench_routed_ffn_layer.md).
 //
 // Per row: the router score sigmoid(w2 . silu(W1 u + b1) + b2) in float32
 // (O3_SPEC section 1: upcast inputs, float32 weights), heavy when
-// score >= threshold. Light rows then get up(down(u)) in bfloat16, the
-// rank-r intermediate rounded to bfloat16 as a 16-bit linear's output is;
-// heavy rows are left for the caller's full FFN. Returns (y, scores, heavy
-// row indices); y is [0, H] when no row is light. `counts` (optional) gains
-// [heavy rows, rows]: the router statistics, without another operation.
+// score >= threshold. `route` returns the scores and the heavy and light
+// rows; `routed_light`, for decode-sized batches, also gives the light rows
+// up(down(u)) in bfloat16 in the same call, the rank-r intermediate rounded
+// to bfloat16 as a 16-bit linear's output is (for larger batches the caller
+// runs the light rows through a tiled GEMM). Heavy rows are left for the
+// caller's full FFN.
 //
 // Light weights are in "pair" layout (`pack_pairs` in cpu_routed_ffn.py):
 // output channels in blocks of 16, input channels in pairs; each (block,
@@ -61,32 +62,94 @@ O3_AVX512_BF16 inline __m512 silu_ps(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
+// Router scores of ROWS consecutive rows, each weight load shared by the
+// rows (one row at a time reads W1 whole from L2 per row, which bounded the
+// router at prefill sizes). Each row's sums run in the same order whatever
+// ROWS is, so a token's score does not depend on the batch it came in.
 // w1t: [hidden, r_pad] (W1 transposed, hidden units padded to kRouterChunk
 // with zero weights, biases and w2 entries, which add nothing).
-O3_AVX512_BF16 float router_score(const uint16_t* u, int64_t hidden,
-                                  const float* w1t, const float* b1,
-                                  const float* w2, float b2, int64_t r_pad) {
-  __m512 logit = _mm512_setzero_ps();
+template <int ROWS>
+O3_AVX512_BF16 void router_scores_tile(const uint16_t* u, int64_t hidden,
+                                       const float* w1t, const float* b1,
+                                       const float* w2, float b2, int64_t r_pad,
+                                       float* scores) {
+  constexpr int kChunkBlocks = kRouterChunk / kLanes;
+  __m512 logit[ROWS];
+  for (auto& l : logit) l = _mm512_setzero_ps();
   for (int64_t c0 = 0; c0 < r_pad; c0 += kRouterChunk) {
-    __m512 acc[kRouterChunk / kLanes];
-    for (auto& a : acc) a = _mm512_setzero_ps();
+    __m512 acc[ROWS][kChunkBlocks];
+    for (int m = 0; m < ROWS; ++m)
+      for (auto& a : acc[m]) a = _mm512_setzero_ps();
     for (int64_t k = 0; k < hidden; k += kLanes) {
-      alignas(64) float x[kLanes];
-      _mm512_store_ps(x, bf16x16_to_float(u + k));
+      alignas(64) float x[ROWS][kLanes];
+      for (int m = 0; m < ROWS; ++m) _mm512_store_ps(x[m], bf16x16_to_float(u + m * hidden + k));
       for (int64_t kk = 0; kk < kLanes; ++kk) {
-        const __m512 xs = _mm512_set1_ps(x[kk]);
         const float* w = w1t + (k + kk) * r_pad + c0;
-        for (int64_t b = 0; b < kRouterChunk / kLanes; ++b)
-          acc[b] = _mm512_fmadd_ps(xs, _mm512_loadu_ps(w + b * kLanes), acc[b]);
+        __m512 wv[kChunkBlocks];
+        for (int b = 0; b < kChunkBlocks; ++b) wv[b] = _mm512_loadu_ps(w + b * kLanes);
+        for (int m = 0; m < ROWS; ++m) {
+          const __m512 xs = _mm512_set1_ps(x[m][kk]);
+          for (int b = 0; b < kChunkBlocks; ++b) acc[m][b] = _mm512_fmadd_ps(xs, wv[b], acc[m][b]);
+        }
       }
     }
-    for (int64_t b = 0; b < kRouterChunk / kLanes; ++b) {
-      const int64_t c = c0 + b * kLanes;
-      const __m512 h = silu_ps(_mm512_add_ps(acc[b], _mm512_loadu_ps(b1 + c)));
-      logit = _mm512_fmadd_ps(h, _mm512_loadu_ps(w2 + c), logit);
+    for (int m = 0; m < ROWS; ++m) {
+      for (int b = 0; b < kChunkBlocks; ++b) {
+        const int64_t c = c0 + b * kLanes;
+        const __m512 h = silu_ps(_mm512_add_ps(acc[m][b], _mm512_loadu_ps(b1 + c)));
+        logit[m] = _mm512_fmadd_ps(h, _mm512_loadu_ps(w2 + c), logit[m]);
+      }
     }
   }
-  return 1.0f / (1.0f + std::exp(-(_mm512_reduce_add_ps(logit) + b2)));
+  for (int m = 0; m < ROWS; ++m)
+    scores[m] = 1.0f / (1.0f + std::exp(-(_mm512_reduce_add_ps(logit[m]) + b2)));
+}
+
+constexpr int kRouterRows = 4;  // rows per router tile
+
+void check_rows(const at::Tensor& u, const char* op) {
+  TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kBFloat16 && u.is_contiguous(), op,
+              ": u must be a contiguous 2-D bfloat16 tensor");
+  TORCH_CHECK(u.size(1) % kLanes == 0, op, ": hidden size ", u.size(1),
+              " is not a multiple of ", kLanes);
+}
+
+// float32 [rows] scores of u's rows; threads split tiles of kRouterRows.
+at::Tensor router_scores(const at::Tensor& u, const at::Tensor& w1t, const at::Tensor& b1,
+                         const at::Tensor& w2, const at::Tensor& b2) {
+  check_rows(u, "router_scores");
+  const int64_t rows = u.size(0), hidden = u.size(1);
+  const int64_t r_pad = w1t.size(1);
+  for (const at::Tensor* t : {&w1t, &b1, &w2, &b2})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "router_scores: router weights must be contiguous float32");
+  TORCH_CHECK(w1t.dim() == 2 && w1t.size(0) == hidden && r_pad % kRouterChunk == 0 &&
+                  b1.numel() == r_pad && w2.numel() == r_pad && b2.numel() == 1,
+              "router_scores: router weights must be [", hidden, ", R'], [R'], [R'], [1]",
+              " with R' a multiple of ", kRouterChunk);
+  at::Tensor scores = at::empty({rows}, u.options().dtype(at::kFloat));
+  const auto* up = reinterpret_cast<const uint16_t*>(u.data_ptr());
+  float* sp = scores.data_ptr<float>();
+  const float* w1 = w1t.data_ptr<float>();
+  const float* bias1 = b1.data_ptr<float>();
+  const float* w2p = w2.data_ptr<float>();
+  const float bias2 = b2.data_ptr<float>()[0];
+  const int64_t tiles = (rows + kRouterRows - 1) / kRouterRows;
+  const int64_t tile_work = kRouterRows * hidden * r_pad;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, kMinWorkPerThread / tile_work),
+                   [&](int64_t begin, int64_t end) {
+                     for (int64_t tile = begin; tile < end; ++tile) {
+                       const int64_t t = tile * kRouterRows;
+                       const uint16_t* x = up + t * hidden;
+                       switch (std::min<int64_t>(kRouterRows, rows - t)) {
+                         case 1: router_scores_tile<1>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
+                         case 2: router_scores_tile<2>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
+                         case 3: router_scores_tile<3>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
+                         default: router_scores_tile<4>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
+                       }
+                     }
+                   });
+  return scores;
 }
 
 // y[m] = x[m] @ W^T over output blocks [b0, b0 + BLOCKS) for ROWS rows given
@@ -177,42 +240,19 @@ void check_pair_weight(const at::Tensor& w, int64_t in, int64_t out, const char*
               " channels, not ", in, " x ", out);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
+// (scores, heavy row indices, light row indices), each list in row order;
+// `counts` (optional) gains [heavy rows, rows]: the router statistics,
+// without another operation.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> route(
     const at::Tensor& u, const at::Tensor& w1t, const at::Tensor& b1,
-    const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& down,
-    const at::Tensor& up, int64_t rank, double threshold,
+    const at::Tensor& w2, const at::Tensor& b2, double threshold,
     const std::optional<at::Tensor>& counts) {
-  TORCH_CHECK(u.dim() == 2 && u.scalar_type() == at::kBFloat16 && u.is_contiguous(),
-              "routed_light: u must be a contiguous 2-D bfloat16 tensor");
-  const int64_t rows = u.size(0), hidden = u.size(1);
-  TORCH_CHECK(hidden % kLanes == 0, "routed_light: hidden size ", hidden,
-              " is not a multiple of ", kLanes);
-  const int64_t r_pad = w1t.size(1);
-  for (const at::Tensor* t : {&w1t, &b1, &w2, &b2})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "routed_light: router weights must be contiguous float32");
-  TORCH_CHECK(w1t.dim() == 2 && w1t.size(0) == hidden && r_pad % kRouterChunk == 0 &&
-                  b1.numel() == r_pad && w2.numel() == r_pad && b2.numel() == 1,
-              "routed_light: router weights must be [", hidden, ", R'], [R'], [R'], [1]",
-              " with R' a multiple of ", kRouterChunk);
-  check_pair_weight(down, hidden, rank, "down");
-  check_pair_weight(up, rank, hidden, "up");
-
-  const auto* u_ptr = reinterpret_cast<const uint16_t*>(u.data_ptr());
-  at::Tensor scores = at::empty({rows}, u.options().dtype(at::kFloat));
-  float* sp = scores.data_ptr<float>();
-  const float* w1 = w1t.data_ptr<float>();
-  const float* bias1 = b1.data_ptr<float>();
-  const float* w2p = w2.data_ptr<float>();
-  const float bias2 = b2.data_ptr<float>()[0];
-  const int64_t router_work = hidden * r_pad;
-  at::parallel_for(0, rows, std::max<int64_t>(1, kMinWorkPerThread / router_work),
-                   [&](int64_t begin, int64_t end) {
-                     for (int64_t t = begin; t < end; ++t)
-                       sp[t] = router_score(u_ptr + t * hidden, hidden, w1, bias1, w2p,
-                                            bias2, r_pad);
-                   });
-
+  TORCH_CHECK(!counts.has_value() || (counts->scalar_type() == at::kLong &&
+                                      counts->numel() == 2 && counts->is_contiguous()),
+              "route: counts must be a contiguous int64 [2]");
+  at::Tensor scores = router_scores(u, w1t, b1, w2, b2);
+  const int64_t rows = u.size(0);
+  const float* sp = scores.data_ptr<float>();
   // Compared in float32, as torch compares a float32 tensor with a scalar.
   const float cut = static_cast<float>(threshold);
   int64_t num_heavy = 0;
@@ -222,17 +262,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
   int64_t* hp = heavy_rows.data_ptr<int64_t>();
   int64_t* lp = light_rows.data_ptr<int64_t>();
   for (int64_t t = 0; t < rows; ++t) *(sp[t] >= cut ? hp++ : lp++) = t;
-
   if (counts.has_value()) {
-    TORCH_CHECK(counts->scalar_type() == at::kLong && counts->numel() == 2 &&
-                    counts->is_contiguous(),
-                "routed_light: counts must be a contiguous int64 [2]");
     int64_t* cp = counts->data_ptr<int64_t>();
     cp[0] += num_heavy;
     cp[1] += rows;
   }
+  return {scores, heavy_rows, light_rows};
+}
 
-  const int64_t num_light = rows - num_heavy;
+// route(), then the light path on the light rows: (y, scores, heavy rows),
+// y [0, H] when no row is light.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
+    const at::Tensor& u, const at::Tensor& w1t, const at::Tensor& b1,
+    const at::Tensor& w2, const at::Tensor& b2, const at::Tensor& down,
+    const at::Tensor& up, int64_t rank, double threshold,
+    const std::optional<at::Tensor>& counts) {
+  check_rows(u, "routed_light");
+  const int64_t hidden = u.size(1);
+  check_pair_weight(down, hidden, rank, "down");
+  check_pair_weight(up, rank, hidden, "up");
+  auto [scores, heavy_rows, light_rows] = route(u, w1t, b1, w2, b2, threshold, counts);
+  const int64_t num_light = light_rows.size(0);
   // No light row: nothing to write, and the caller runs the full FFN on u.
   at::Tensor y = num_light > 0 ? at::empty_like(u) : at::empty({0, hidden}, u.options());
   if (num_light > 0) {
@@ -242,7 +292,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> routed_light(
     const int64_t* light = light_rows.data_ptr<int64_t>();
     // Every column of `mid` is written (padded channels' weights are zero),
     // so the up projection's padded input pair reads zeros.
-    pair_gemm(num_light, u_ptr, light, hidden, down, mp, nullptr, mid_width, mid_width);
+    pair_gemm(num_light, reinterpret_cast<const uint16_t*>(u.data_ptr()), light, hidden,
+              down, mp, nullptr, mid_width, mid_width);
     pair_gemm(num_light, mp, nullptr, mid_width, up,
               reinterpret_cast<uint16_t*>(y.data_ptr()), light, hidden, hidden);
   }
@@ -255,4 +306,7 @@ TORCH_LIBRARY_FRAGMENT(o3_cpu, m) {
   m.def("routed_light(Tensor u, Tensor w1t, Tensor b1, Tensor w2, Tensor b2, Tensor down, "
         "Tensor up, int rank, float threshold, Tensor(a!)? counts) -> (Tensor, Tensor, Tensor)");
   m.impl("routed_light", c10::DispatchKey::CPU, TORCH_FN(routed_light));
+  m.def("route(Tensor u, Tensor w1t, Tensor b1, Tensor w2, Tensor b2, float threshold, "
+        "Tensor(a!)? counts) -> (Tensor, Tensor, Tensor)");
+  m.impl("route", c10::DispatchKey::CPU, TORCH_FN(route));
 }
