@@ -20,6 +20,7 @@ end, which on a two-core machine halves the model's compute.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -75,11 +76,10 @@ class Engine:
         tokenizer = self.llm.get_tokenizer()
         windows = text_windows(tokenizer, PREFILL_PROMPTS * prefills, PREFILL_LEN)
         # One batch per prefill call, in turn: each call routes new text.
-        self.prefill_batches = [
+        self.prefill_batches = itertools.cycle(
             windows[i : i + PREFILL_PROMPTS]
             for i in range(0, len(windows), PREFILL_PROMPTS)
-        ]
-        self.prefills = 0
+        )
         self.decode_prompts = text_windows(tokenizer, 16, DECODE_PROMPT_LEN)
 
     def heavy_tokens(self) -> tuple[int, int]:
@@ -102,9 +102,7 @@ class Engine:
         return seconds, (heavy1 - heavy0) / max(1, total1 - total0)
 
     def prefill(self) -> tuple[float, float]:
-        batch = self.prefill_batches[self.prefills % len(self.prefill_batches)]
-        self.prefills += 1
-        seconds, heavy = self.timed(batch, 1)
+        seconds, heavy = self.timed(next(self.prefill_batches), 1)
         return PREFILL_PROMPTS * PREFILL_LEN / seconds, heavy
 
     def decode(self, batch: int) -> tuple[float, float]:
