@@ -220,15 +220,54 @@ def test_its_registration_and_fake_agree_with_it(fraction):
     )
 
 
+@needs_kernel
+@pytest.mark.parametrize(("rows", "width"), [(1, 16), (3, 37), (9, 1030), (2, 5632)])
+def test_silu_and_mul_is_silu_of_gate_times_up_rounded_once(rows, width):
+    """Against silu(gate) * up in float32 rounded to bfloat16 (as inductor
+    fuses vLLM's SiluAndMul), at widths with and without a partial vector and
+    gates far out on both sides (exp saturates there)."""
+    g = torch.Generator().manual_seed(rows * width)
+    x = (torch.randn(rows, 2 * width, generator=g) * 4).bfloat16()
+    x[0, :4] = torch.tensor([-120.0, -30.0, 30.0, 120.0])
+    expected = (F.silu(x[:, :width].float()) * x[:, width:].float()).bfloat16()
+    got = cpu_routed_ffn.CpuSiluAndMul()(x)
+    assert got.shape == expected.shape and got.dtype == torch.bfloat16
+    # exp to ~2 float32 ulp: a rounding flips to the neighbouring bfloat16 at
+    # most; where exp(-gate) overflows, 0 against the kernel's ~1e-36.
+    torch.testing.assert_close(got, expected, rtol=2**-7, atol=1e-30)
+    in_range = x[:, :width].abs() < 80
+    assert (got == expected)[in_range].float().mean() > 0.999
+    torch.library.opcheck(torch.ops.o3_cpu.silu_and_mul.default, (x,))
+
+
+@needs_kernel
+def test_silu_and_mul_refuses_what_it_cannot_read():
+    with pytest.raises(RuntimeError, match="x's width 7 is odd"):
+        torch.ops.o3_cpu.silu_and_mul(torch.zeros(2, 7).bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous 2-D bfloat16"):
+        torch.ops.o3_cpu.silu_and_mul(torch.zeros(2, 8))
+
+
 def kernel_layers(model) -> list[bool]:
-    """Runs in the worker: which routed layers the C++ kernel runs."""
-    return [layer.cpu_weights is not None for _, layer in routed_layers(model)]
+    """Runs in the worker: which routed layers the C++ kernels run."""
+    return [
+        layer.cpu_weights is not None
+        and isinstance(layer.mlp.act_fn, cpu_routed_ffn.CpuSiluAndMul)
+        for _, layer in routed_layers(model)
+    ]
+
+
+class TorchSiluAndMul(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def drop_kernel(model) -> None:
     """Runs in the worker: sends every routed layer to the PyTorch path."""
     for _, layer in routed_layers(model):
         layer.cpu_weights = None
+        layer.mlp.act_fn = TorchSiluAndMul()
 
 
 @pytest.fixture(scope="module")

@@ -281,9 +281,10 @@ class O3DecoderLayer(LlamaDecoderLayer):
         return y, scores, bounds
 
     def prepare_cpu_kernel(self) -> None:
-        """Hands the router and light path to the C++ CPU kernel, once weights
-        are final; where it cannot take them, PyTorch runs them (logged). The
-        light path's linears get vLLM's CPU GEMMs either way."""
+        """Hands the router, light path and full FFN's activation to the C++
+        CPU kernels, once weights are final; where they cannot take them,
+        PyTorch runs them (logged). The light path's linears get vLLM's CPU
+        GEMMs either way."""
         self.light.use_cpu_gemm()
         reason = cpu_routed_ffn.unavailable_reason(
             self.light.down.weight.dtype, self.light.down.weight.shape[1]
@@ -296,6 +297,7 @@ class O3DecoderLayer(LlamaDecoderLayer):
                 reason,
             )
             return
+        self.mlp.act_fn = cpu_routed_ffn.CpuSiluAndMul()
         self.cpu_weights = cpu_routed_ffn.pack_routed_weights(
             self.router.fc1.weight,
             self.router.fc1.bias,
