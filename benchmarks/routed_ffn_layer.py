@@ -81,6 +81,7 @@ def bench_shape(name: str, repeats: int) -> list[str]:
     reason = cpu_routed_ffn.unavailable_reason(torch.bfloat16, hidden)
     if reason is not None:
         raise SystemExit(f"the CPU routed FFN kernel cannot run here: {reason}")
+    mlp.act_fn = cpu_routed_ffn.CpuSiluAndMul()  # as the engine's routed layers
     packed = cpu_routed_ffn.pack_routed_weights(
         router.fc1.weight,
         router.fc1.bias,
