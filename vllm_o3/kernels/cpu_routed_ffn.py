@@ -58,7 +58,7 @@ class CpuRoutedWeights(nn.Module):
 class CpuSiluAndMul(nn.Module):
     """silu(gate) * up of the full FFN in one C++ pass. vLLM's `SiluAndMul`,
     called inside an opaque op as the routed FFN is, runs as a
-    torch.compile'd function: at one row 4 us here against 0.5-0.8 ms a call
+    torch.compile'd function: at one row 4 us here against 0.5-0.9 ms a call
     in the engine (docs/bench_e2e_routing.md), at 3,840 rows of the 1b
     preset 9.5 against 12.3 ms."""
 

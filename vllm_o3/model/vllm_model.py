@@ -291,9 +291,9 @@ class O3DecoderLayer(LlamaDecoderLayer):
         )
         if reason is not None:
             logger.warning_once(
-                "O3 routed FFN on CPU: the C++ router and light path are not "
-                "used (%s); PyTorch runs them, slower at decode sizes "
-                "(docs/bench_routed_ffn_layer.md)",
+                "O3 routed FFN on CPU: the C++ router, light path and "
+                "activation are not used (%s); PyTorch runs them, slower at "
+                "decode sizes (docs/bench_routed_ffn_layer.md)",
                 reason,
             )
             return

@@ -17,6 +17,12 @@ O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
 
+// The first values of 16 (those set in `keep`) to float32, the rest 0.
+O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p, __mmask16 keep) {
+  const __m256i half = _mm256_maskz_loadu_epi16(keep, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 inline float bf16_to_float(uint16_t bits) {
   const uint32_t wide = static_cast<uint32_t>(bits) << 16;
   float value;
