@@ -258,9 +258,12 @@ def kernel_layers(model) -> list[bool]:
 
 
 class TorchSiluAndMul(torch.nn.Module):
+    """vLLM's PyTorch definition of the activation, uncompiled."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        from vllm.model_executor.layers.activation import SiluAndMul
+
+        return SiluAndMul.forward_native(x)
 
 
 def drop_kernel(model) -> None:

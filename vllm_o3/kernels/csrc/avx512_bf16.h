@@ -12,15 +12,17 @@
 #define O3_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 // 16 bfloat16 values to float32: exact, the bits move to the high half.
-O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+O3_AVX512_BF16 inline __m512 bf16x16_to_float(__m256i half) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
+O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p) {
+  return bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // The first values of 16 (those set in `keep`) to float32, the rest 0.
 O3_AVX512_BF16 inline __m512 bf16x16_to_float(const uint16_t* p, __mmask16 keep) {
-  const __m256i half = _mm256_maskz_loadu_epi16(keep, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  return bf16x16_to_float(_mm256_maskz_loadu_epi16(keep, p));
 }
 
 inline float bf16_to_float(uint16_t bits) {
