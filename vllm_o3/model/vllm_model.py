@@ -22,6 +22,7 @@ from vllm.distributed import (
 )
 from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
     UnquantizedLinearMethod,
@@ -59,6 +60,7 @@ from vllm_o3.model.checkpoint import (
 )
 from vllm_o3.model.config import O3Config
 from vllm_o3.model.cpu_allocator import keep_freed_memory
+from vllm_o3.model.layernorm import RMSNormWithCpuKernel
 from vllm_o3.model.router_metrics import ROUTER_COUNTS
 from vllm_o3.model.router_trace import routed_layers
 
@@ -182,6 +184,12 @@ class O3DecoderLayer(LlamaDecoderLayer):
     def __init__(self, vllm_config: VllmConfig, prefix: str = "", config=None):
         super().__init__(vllm_config, prefix, config, attn_layer_type=O3Attention)
         config = config or vllm_config.model_config.hf_config
+        self.input_layernorm = RMSNormWithCpuKernel(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
+        self.post_attention_layernorm = RMSNormWithCpuKernel(
+            config.hidden_size, eps=config.rms_norm_eps
+        )
         self.is_routed = config.is_routed(extract_layer_index(prefix))
         if not self.is_routed:
             return
@@ -388,6 +396,10 @@ class O3ForCausalLM(LlamaForCausalLM):
         super().__init__(
             vllm_config=vllm_config, prefix=prefix, layer_type=O3DecoderLayer
         )
+        if isinstance(self.model.norm, RMSNorm):  # not on earlier PP ranks
+            self.model.norm = RMSNormWithCpuKernel(
+                config.hidden_size, eps=config.rms_norm_eps
+            )
 
     def process_weights_after_loading(self) -> None:
         """vLLM's model-level hook, after every layer's quantization: weights
