@@ -2,11 +2,10 @@
 
 vLLM 0.32 routes `RMSNorm` through its IR op, whose C++ implementation is
 registered for GPUs only, so on a CPU every norm runs as ~8 PyTorch
-operations: in eager mode 106 ms for 8,192 x 2,048 bfloat16 rows against
-4.7 ms for the `_C.rms_norm` kernel the CPU build ships (a quarter of an eager
-prefill step of the 1b preset, docs/bench_e2e_routing.md). Where vLLM
-compiles the model the custom op is off (`custom_ops: none`) and Inductor
-fuses the native form as before.
+operations: ~2.0 s of an ~8.7 s eager prefill step of the 1b preset
+(docs/bench_e2e_routing.md), against the `_C` kernels the CPU build ships.
+Where vLLM compiles the model the custom op is off (`custom_ops: none`) and
+Inductor fuses the native form as before.
 """
 
 from __future__ import annotations
