@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import torch
 from vllm import _custom_ops as ops
+from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
+
+logger = init_logger(__name__)
 
 # The CPU kernel steps through a row in vectors of 8 elements and refuses
 # other widths.
@@ -24,18 +27,29 @@ class RMSNormWithCpuKernel(RMSNorm):
     """`RMSNorm` whose CPU forward is vLLM's C++ kernel (same name as a custom
     op, so `custom_ops` turns it on and off like vLLM's)."""
 
-    def _cpu_kernel_takes(self, *tensors: torch.Tensor) -> bool:
-        # The kernel reads rows as contiguous memory: a strided view would
-        # come back as garbage, so anything it cannot take runs natively.
+    def _cpu_kernel_refusal(self, *tensors: torch.Tensor) -> str | None:
+        """Why the kernel cannot take these tensors, or None. It reads rows
+        as contiguous memory: a strided view would come back as garbage."""
         x = tensors[0]
-        return (
-            self.variance_size_override is None
-            and self.has_weight
-            and x.dtype in CPU_KERNEL_DTYPES
-            and self.weight.dtype == x.dtype
-            and x.shape[-1] % CPU_KERNEL_WIDTH_MULTIPLE == 0
-            and all(t.dtype == x.dtype and t.is_contiguous() for t in tensors)
-        )
+        if self.variance_size_override is not None or not self.has_weight:
+            return "a variance size override or no weight"
+        if x.dtype not in CPU_KERNEL_DTYPES or self.weight.dtype != x.dtype:
+            return f"{x.dtype} input with a {self.weight.dtype} weight"
+        if x.shape[-1] % CPU_KERNEL_WIDTH_MULTIPLE:
+            return f"width {x.shape[-1]}, not a multiple of 8"
+        if not all(t.dtype == x.dtype and t.is_contiguous() for t in tensors):
+            return "a strided or mixed-dtype input"
+        return None
+
+    def _runs_kernel(self, *tensors: torch.Tensor) -> bool:
+        refusal = self._cpu_kernel_refusal(*tensors)
+        if refusal is not None:
+            logger.warning_once(
+                "O3 RMSNorm on CPU: vLLM's C++ kernel cannot take %s; the "
+                "PyTorch norm runs, several times slower",
+                refusal,
+            )
+        return refusal is None
 
     def forward_cpu(
         self,
@@ -43,12 +57,12 @@ class RMSNormWithCpuKernel(RMSNorm):
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            if not self._cpu_kernel_takes(x):
+            if not self._runs_kernel(x):
                 return self.forward_native(x)
             out = torch.empty_like(x)
             ops.rms_norm(out, x, self.weight.data, self.variance_epsilon)
             return out
-        if not self._cpu_kernel_takes(x, residual):
+        if not self._runs_kernel(x, residual):
             return self.forward_native(x, residual)
         # In place, as vLLM's fused op: residual <- x + residual, x <- norm.
         ops.fused_add_rms_norm(x, residual, self.weight.data, self.variance_epsilon)
