@@ -1,7 +1,8 @@
 """O3 for vLLM: Llama's layers plus the router, the light path and the head gate.
 
 Attention, rotary embedding, norms, parallel linears, the paged KV cache and
-the LM head are vLLM's own (`LlamaForCausalLM` with an O3 decoder layer). The
+the LM head are vLLM's own (`LlamaForCausalLM` with an O3 decoder layer; the
+norms on vLLM's C++ CPU kernel in eager mode, `layernorm.py`). The
 routed FFN runs as one opaque custom op (`torch.ops.vllm.o3_routed_ffn`), so
 torch.compile sees a fixed-shape [T, H] -> [T, H] call whatever the routing.
 """
