@@ -1,13 +1,14 @@
-"""O3's RMSNorm on the CPU: vLLM's C++ kernel against the PyTorch definition of
-the norm (w * x / sqrt(mean(x^2) + eps), in float32, rounded once), in every
-dtype it takes, with and without the residual add; what it cannot read runs
-natively with the same result; and which forward an engine picks in eager and
-compiled mode."""
+"""O3's RMSNorm on the CPU: vLLM's C++ kernel against the reference model's
+norm (transformers' Llama RMSNorm: w * x / sqrt(mean(x^2) + eps) in float32,
+rounded once), in every dtype it takes, with and without the residual add;
+what it cannot read runs natively with the same result; and which forward an
+engine picks in eager and compiled mode."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.utils import vllm_engine
 from vllm_o3.model.layernorm import RMSNormWithCpuKernel
@@ -21,9 +22,11 @@ TOLERANCE = {  # one rounding step of the dtype at |y| ~ 4
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + EPS)
-    return (normed.to(x.dtype) * weight).to(x.dtype)
+    """The reference model's norm: transformers' Llama RMSNorm."""
+    reference = LlamaRMSNorm(weight.shape[0], eps=EPS)
+    reference.weight.data = weight.detach().clone()
+    with torch.no_grad():
+        return reference(x)
 
 
 def norm(width: int, dtype: torch.dtype) -> RMSNormWithCpuKernel:

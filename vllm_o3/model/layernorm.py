@@ -36,7 +36,7 @@ class RMSNormWithCpuKernel(RMSNorm):
         if x.dtype not in CPU_KERNEL_DTYPES or self.weight.dtype != x.dtype:
             return f"{x.dtype} input with a {self.weight.dtype} weight"
         if x.shape[-1] % CPU_KERNEL_WIDTH_MULTIPLE:
-            return f"width {x.shape[-1]}, not a multiple of 8"
+            return f"width {x.shape[-1]}, not a multiple of {CPU_KERNEL_WIDTH_MULTIPLE}"
         if not all(t.dtype == x.dtype and t.is_contiguous() for t in tensors):
             return "a strided or mixed-dtype input"
         return None
