@@ -130,6 +130,20 @@ def bench_shape(name: str, repeats: int) -> list[str]:
     return rows
 
 
+def kernel_paths() -> str:
+    """What `cpu_routed_ffn` runs in C++ on this CPU."""
+    from vllm_o3.kernels import cpu_routed_ffn
+
+    isa = torch.ops.o3_cpu.kernel_isa()
+    if isa != "avx512_bf16":
+        return f"the router and the light path in C++ ({isa}) at every row count"
+    rows = cpu_routed_ffn.FUSED_MAX_ROWS
+    return (
+        f"the router in C++ ({isa}); below {rows} rows the light path too, in "
+        f"the same call, from {rows} rows the light rows through vLLM's CPU GEMM"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -154,9 +168,8 @@ def main() -> None:
     body = (
         f"bf16, vLLM 0.32 CPU layers with their oneDNN packing. Shapes: {shapes}. "
         "Routed = router + compaction + full FFN on heavy rows + light path on "
-        "the rest: as the engine runs it on this CPU (`cpu_routed_ffn`: the "
-        "router in C++; below 8 rows the light path too, in the same call, from "
-        "8 rows the light rows through vLLM's CPU GEMM), and in PyTorch "
+        f"the rest: as the engine runs it on this CPU (`cpu_routed_ffn`: "
+        f"{kernel_paths()}), and in PyTorch "
         "(`routed_ffn_torch`, what runs where the C++ kernel cannot); medians "
         "of repeats (T = 1: "
         "mean per call over 200 single-token calls with that share heavy, the dense FFN timed the same "

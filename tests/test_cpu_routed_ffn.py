@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.utils import PROMPTS, check_logprobs_close, vllm_engine, vllm_generations
-from vllm_o3.kernels import cpu_routed_ffn
+from vllm_o3.kernels import cpu_kernels, cpu_routed_ffn
 from vllm_o3.kernels.routing import (
     on_rows,
     routed_ffn_torch,
@@ -38,13 +38,19 @@ assert (
 ), "the shapes must cover both the fused kernel and the router + light GEMM"
 
 
-def test_the_kernel_runs_where_the_cpu_has_avx512_bf16():
-    # Not a silent fallback: on a CPU with AVX512-BF16 the kernel must build.
+def test_the_kernel_runs_on_the_best_isa_the_cpu_has():
+    # Not a silent fallback: on a CPU with AVX512-BF16, or else AVX2 and FMA,
+    # the kernel must build and run on it.
     reason = cpu_routed_ffn.unavailable_reason(torch.bfloat16, 576)
-    if "avx512_bf16" in Path("/proc/cpuinfo").read_text().split():
+    flags = Path("/proc/cpuinfo").read_text().split()
+    if "avx512_bf16" in flags:
         assert reason is None
+        assert torch.ops.o3_cpu.kernel_isa() == "avx512_bf16"
+    elif "avx2" in flags and "fma" in flags:
+        assert reason is None
+        assert torch.ops.o3_cpu.kernel_isa() == "avx2"
     else:
-        assert "AVX512-BF16" in reason
+        assert "neither AVX512-BF16 nor AVX2" in reason
 
 
 def test_it_says_why_it_does_not_take_a_layer():
@@ -79,6 +85,15 @@ needs_kernel = pytest.mark.skipif(
     cpu_routed_ffn.unavailable_reason(torch.bfloat16, 64) is not None,
     reason=str(cpu_routed_ffn.unavailable_reason(torch.bfloat16, 64)),
 )
+ISAS = cpu_kernels.isas()
+
+
+@pytest.fixture(params=ISAS)
+def isa(request) -> str:
+    """Each ISA the kernels run on here: the best one, and those a CPU
+    without it would run (AVX2 on an AVX512-BF16 CPU)."""
+    with cpu_kernels.using_isa(request.param):
+        yield request.param
 
 
 class Layer:
@@ -133,7 +148,7 @@ def threshold_between(scores: torch.Tensor, fraction: float) -> float:
 @needs_kernel
 @pytest.mark.parametrize("fraction", [0.0, 0.4, 1.0])
 @pytest.mark.parametrize(("T", "H", "r", "R"), SHAPES)
-def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
+def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction, isa):
     layer = Layer(H, r, R, seed=T)
     u = torch.randn(T, H).bfloat16()
     want_scores = layer.router(u)
@@ -154,7 +169,7 @@ def test_routed_ffn_matches_its_pytorch_definition(T, H, r, R, fraction):
 
 
 @needs_kernel
-def test_without_counts_nothing_is_counted_and_all_light_rows_are_written():
+def test_without_counts_nothing_is_counted_and_all_light_rows_are_written(isa):
     layer = Layer(64, 8, 16)
     u = torch.randn(64, 9).bfloat16().t()  # not contiguous
     y, _, num_heavy = cpu_routed_ffn.routed_ffn_cpu(
@@ -165,7 +180,7 @@ def test_without_counts_nothing_is_counted_and_all_light_rows_are_written():
 
 
 @needs_kernel
-def test_a_tokens_score_does_not_depend_on_its_batch():
+def test_a_tokens_score_does_not_depend_on_its_batch(isa):
     # Rows are scored in tiles; a row's sums must not depend on its tile, or
     # a token could change path with the batch it was scheduled in.
     layer = Layer(128, 16, 64)
@@ -222,7 +237,7 @@ def test_its_registration_and_fake_agree_with_it(fraction):
 
 @needs_kernel
 @pytest.mark.parametrize(("rows", "width"), [(1, 16), (3, 37), (9, 1030), (2, 5632)])
-def test_silu_and_mul_is_silu_of_gate_times_up_rounded_once(rows, width):
+def test_silu_and_mul_is_silu_of_gate_times_up_rounded_once(rows, width, isa):
     """Against silu(gate) * up in float32 rounded to bfloat16 (as inductor
     fuses vLLM's SiluAndMul), at widths with and without a partial vector and
     gates far out on both sides (exp saturates there)."""
@@ -238,6 +253,39 @@ def test_silu_and_mul_is_silu_of_gate_times_up_rounded_once(rows, width):
     in_range = x[:, :width].abs() < 80
     assert (got == expected)[in_range].float().mean() > 0.999
     torch.library.opcheck(torch.ops.o3_cpu.silu_and_mul.default, (x,))
+
+
+@pytest.mark.skipif(len(ISAS) < 2, reason="the kernels run on one ISA here")
+def test_every_isa_computes_the_same_bits():
+    """AVX2 does VDPBF16PS's two adds as two FMAs in its order and sums in
+    _mm512_reduce_add_ps's, so a token routes alike on either CPU."""
+    layer = Layer(576, 72, 64)
+    packed = layer.packed()
+    u = torch.randn(7, 576).bfloat16()
+    x = (torch.randn(5, 2 * 1030) * 4).bfloat16()
+    results = []
+    for isa in ISAS:
+        with cpu_kernels.using_isa(isa):
+            y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
+                u, packed.w1t, packed.b1, packed.w2, packed.b2,
+                packed.down, packed.up, packed.rank, 2.0, None,
+            )  # fmt: skip
+            results.append((y, scores, torch.ops.o3_cpu.silu_and_mul(x)))
+    assert heavy_rows.numel() == 0  # every row light: y is the light path
+    for got in results[1:]:
+        for a, b in zip(got, results[0], strict=True):
+            assert torch.equal(a, b)
+
+
+def test_an_isa_the_cpu_lacks_is_refused():
+    if cpu_kernels.unavailable_reason() is not None:
+        pytest.skip(cpu_kernels.unavailable_reason())
+    with pytest.raises(RuntimeError, match="unknown ISA 'sse2'"):
+        torch.ops.o3_cpu.use_isa("sse2")
+    if "avx512_bf16" not in ISAS:
+        with pytest.raises(RuntimeError, match="this CPU has no avx512_bf16"):
+            torch.ops.o3_cpu.use_isa("avx512_bf16")
+    assert torch.ops.o3_cpu.kernel_isa() == ISAS[0]
 
 
 @needs_kernel

@@ -34,6 +34,8 @@ def unavailable_reason() -> str | None:
     """None when `torch.ops.o3_cpu.int4_gemm` runs here, else why not."""
     global AMX_MIN_ROWS
     reason = cpu_kernels.unavailable_reason()
+    if reason is None and not torch.ops.o3_cpu.avx512_bf16_supported():
+        reason = "this CPU has no AVX512-BF16"
     if reason is None:
         # What torch.compile traces: the operation stays opaque in the graph.
         torch.library.register_fake("o3_cpu::int4_gemm")(

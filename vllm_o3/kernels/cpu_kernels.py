@@ -3,16 +3,20 @@ together on first use by torch's C++ extension builder (cached under
 ~/.cache/torch_extensions, about 20 s once).
 
 They run wherever this is None: an x86 CPU with AVX512-BF16 (Intel Cooper
-Lake / Sapphire Rapids on, AMD Zen 4 on) and a C++ compiler (which vLLM's
-compiled mode on CPU needs anyway). Elsewhere `unavailable_reason` says why,
-and each caller logs it and runs its PyTorch path.
+Lake / Sapphire Rapids on, AMD Zen 4 on) or AVX2 with FMA (AMD Zen to Zen 3,
+Intel Haswell on), and a C++ compiler (which vLLM's compiled mode on CPU
+needs anyway); the INT4 GEMM needs AVX512-BF16 (`cpu_int4_gemm`). Elsewhere
+`unavailable_reason` says why, and each caller logs it and runs its PyTorch
+path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import platform
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +43,27 @@ def unavailable_reason() -> str | None:
         )
     except Exception as e:  # a missing compiler or ninja, a failed build
         return f"building {', '.join(s.name for s in SOURCES)} failed: {e}"
-    if not torch.ops.o3_cpu.avx512_bf16_supported():
-        return "this CPU has no AVX512-BF16"
+    if not torch.ops.o3_cpu.kernel_isa():
+        return "this CPU has neither AVX512-BF16 nor AVX2 with FMA"
     return None
+
+
+def isas() -> list[str]:
+    """The ISAs the routed FFN's kernels can run on here, best first."""
+    if unavailable_reason() is not None:
+        return []
+    if torch.ops.o3_cpu.avx512_bf16_supported():
+        return ["avx512_bf16", "avx2"]
+    return ["avx2"]
+
+
+@contextlib.contextmanager
+def using_isa(isa: str) -> Iterator[None]:
+    """The routed FFN's kernels on `isa` (one of `isas()`) for a while: the
+    best one is what runs; tests and benchmarks compare the others."""
+    best = torch.ops.o3_cpu.kernel_isa()
+    torch.ops.o3_cpu.use_isa(isa)
+    try:
+        yield
+    finally:
+        torch.ops.o3_cpu.use_isa(best)

@@ -6,15 +6,19 @@ At decode sizes router, partition and light path run in one C++ call: in
 PyTorch (`routing.routed_ffn_torch`, which defines it and runs where the C++
 kernels cannot) they are a dozen operations per layer, whose dispatch alone
 made a light token cost a third of a heavy one on a small model
-(docs/bench_routed_ffn_layer.md). From FUSED_MAX_ROWS rows on, the light rows
-go through the caller's light path instead, which on the CPU is vLLM's own
-GEMM dispatch (AMX tiles where the CPU has them: at 7,680 rows 10 ms against
-the AVX-512 kernel's 92 ms for the 1b preset's light path).
+(docs/bench_routed_ffn_layer.md). On AVX512-BF16 CPUs, from FUSED_MAX_ROWS
+rows on, the light rows go through the caller's light path instead, which is
+vLLM's own GEMM dispatch (oneDNN, on AMX tiles where the CPU has them: at
+7,680 rows 10 ms against the kernel's 92 ms for the 1b preset's light path).
+On AVX2 CPUs oneDNN has no bfloat16 matmul and vLLM runs torch's, which the
+kernel outruns 4x at every batch size (1b preset, 4 to 512 rows): there the
+kernel takes every batch.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 
 import torch
@@ -26,14 +30,15 @@ from vllm_o3.kernels.routing import routed_rows, with_heavy_rows
 
 LANES = 16  # float32 lanes of AVX-512: output channels per block
 ROUTER_CHUNK = 64  # router hidden units per pass of the kernel
-# Rows from which the light path leaves the fused kernel: at 4 rows both
-# take the same time, at 16 the GEMM 4x less (1b preset's shapes, AMX).
+# Rows from which the light path leaves the fused kernel on AVX512-BF16: at
+# 4 rows both take the same time, at 16 the GEMM 4x less (1b preset, AMX).
 FUSED_MAX_ROWS = 8
 
 
 class CpuRoutedWeights(nn.Module):
     """One routed layer's router and light path in the kernel's layouts, as
-    buffers: a layer holding them counts them among its weights."""
+    buffers: a layer holding them counts them among its weights; and from
+    how many rows the light rows leave the kernel on the ISA it runs on."""
 
     def __init__(
         self,
@@ -53,6 +58,11 @@ class CpuRoutedWeights(nn.Module):
         self.register_buffer("down", down, persistent=False)  # pair layout
         self.register_buffer("up", up, persistent=False)  # pair layout
         self.rank = rank
+        self.fused_rows_below = (
+            FUSED_MAX_ROWS
+            if torch.ops.o3_cpu.kernel_isa() == "avx512_bf16"
+            else sys.maxsize
+        )
 
 
 class CpuSiluAndMul(nn.Module):
@@ -161,9 +171,9 @@ def routed_ffn_cpu(
     """(output, float32 router scores, number of heavy rows) for `u` [T, H];
     `counts` ([heavy, real] rows, int64), if given, gains this batch's.
     `light_path` (the layer's, on `weights`' light weights) runs the light
-    rows of batches of FUSED_MAX_ROWS rows or more."""
+    rows of batches of `weights.fused_rows_below` rows or more."""
     u = u.contiguous()  # the kernels read rows in place
-    if u.shape[0] < FUSED_MAX_ROWS:
+    if u.shape[0] < weights.fused_rows_below:
         y, scores, heavy_rows = torch.ops.o3_cpu.routed_light(
             u, weights.w1t, weights.b1, weights.w2, weights.b2,
             weights.down, weights.up, weights.rank, threshold, counts,

@@ -1,4 +1,5 @@
-// The routed FFN's router and light path, on x86 CPUs with AVX512-BF16. In
+// The routed FFN's router and light path, on x86 CPUs with AVX512-BF16 or
+// AVX2 (the inner loops: `routed_tiles.h`, per ISA by `isa_tiles.h`). In
 // PyTorch they are a dozen small operations per layer (an upcast, two float32
 // linears, silu, sigmoid, the threshold, the partition, two bfloat16
 // linears), each with its own dispatch: at decode sizes that dispatch made a
@@ -17,13 +18,14 @@
 // Light weights are in "pair" layout (`pack_pairs` in cpu_routed_ffn.py):
 // output channels in blocks of 16, input channels in pairs; each (block,
 // pair) is 32 bfloat16 values, channel c's pair at 2c and 2c + 1, i.e. one
-// operand of VDPBF16PS against a broadcast pair of inputs.
+// operand of VDPBF16PS against a broadcast pair of inputs (two FMAs per 8
+// channels on AVX2).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "avx512_bf16.h"
+#include "isa_tiles.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -32,55 +34,9 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;       // float32 lanes; output channels per block
-constexpr int64_t kRouterChunk = 64;  // router hidden units per pass (4 registers)
-constexpr int kMaxRows = 4;           // rows sharing each weight load
-constexpr int kMaxBlocks = 4;         // output blocks sharing each broadcast
+constexpr int64_t kRouterChunk = 64;  // router hidden units padded to a multiple of it
 // Below this many multiply-adds a thread's share is not worth waking threads.
 constexpr int64_t kMinWorkPerThread = 256 * 1024;
-
-// Router scores of ROWS consecutive rows, each weight load shared by the
-// rows (one row at a time reads W1 whole from L2 per row, which bounded the
-// router at prefill sizes). Each row's sums run in the same order whatever
-// ROWS is, so a token's score does not depend on the batch it came in.
-// w1t: [hidden, r_pad] (W1 transposed, hidden units padded to kRouterChunk
-// with zero weights, biases and w2 entries, which add nothing).
-template <int ROWS>
-O3_AVX512_BF16 void router_scores_tile(const uint16_t* u, int64_t hidden,
-                                       const float* w1t, const float* b1,
-                                       const float* w2, float b2, int64_t r_pad,
-                                       float* scores) {
-  constexpr int kChunkBlocks = kRouterChunk / kLanes;
-  __m512 logit[ROWS];
-  for (auto& l : logit) l = _mm512_setzero_ps();
-  for (int64_t c0 = 0; c0 < r_pad; c0 += kRouterChunk) {
-    __m512 acc[ROWS][kChunkBlocks];
-    for (int m = 0; m < ROWS; ++m)
-      for (auto& a : acc[m]) a = _mm512_setzero_ps();
-    for (int64_t k = 0; k < hidden; k += kLanes) {
-      alignas(64) float x[ROWS][kLanes];
-      for (int m = 0; m < ROWS; ++m) _mm512_store_ps(x[m], bf16x16_to_float(u + m * hidden + k));
-      for (int64_t kk = 0; kk < kLanes; ++kk) {
-        const float* w = w1t + (k + kk) * r_pad + c0;
-        __m512 wv[kChunkBlocks];
-        for (int b = 0; b < kChunkBlocks; ++b) wv[b] = _mm512_loadu_ps(w + b * kLanes);
-        for (int m = 0; m < ROWS; ++m) {
-          const __m512 xs = _mm512_set1_ps(x[m][kk]);
-          for (int b = 0; b < kChunkBlocks; ++b) acc[m][b] = _mm512_fmadd_ps(xs, wv[b], acc[m][b]);
-        }
-      }
-    }
-    for (int m = 0; m < ROWS; ++m) {
-      for (int b = 0; b < kChunkBlocks; ++b) {
-        const int64_t c = c0 + b * kLanes;
-        const __m512 h = silu_ps(_mm512_add_ps(acc[m][b], _mm512_loadu_ps(b1 + c)));
-        logit[m] = _mm512_fmadd_ps(h, _mm512_loadu_ps(w2 + c), logit[m]);
-      }
-    }
-  }
-  for (int m = 0; m < ROWS; ++m)
-    scores[m] = 1.0f / (1.0f + std::exp(-(_mm512_reduce_add_ps(logit[m]) + b2)));
-}
 
 constexpr int kRouterRows = 4;  // rows per router tile
 
@@ -111,63 +67,18 @@ at::Tensor router_scores(const at::Tensor& u, const at::Tensor& w1t, const at::T
   const float* bias1 = b1.data_ptr<float>();
   const float* w2p = w2.data_ptr<float>();
   const float bias2 = b2.data_ptr<float>()[0];
-  const int64_t tiles = (rows + kRouterRows - 1) / kRouterRows;
+  const auto router = tiles().router;
+  const int64_t row_tiles = (rows + kRouterRows - 1) / kRouterRows;
   const int64_t tile_work = kRouterRows * hidden * r_pad;
-  at::parallel_for(0, tiles, std::max<int64_t>(1, kMinWorkPerThread / tile_work),
+  at::parallel_for(0, row_tiles, std::max<int64_t>(1, kMinWorkPerThread / tile_work),
                    [&](int64_t begin, int64_t end) {
                      for (int64_t tile = begin; tile < end; ++tile) {
                        const int64_t t = tile * kRouterRows;
-                       const uint16_t* x = up + t * hidden;
-                       switch (std::min<int64_t>(kRouterRows, rows - t)) {
-                         case 1: router_scores_tile<1>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
-                         case 2: router_scores_tile<2>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
-                         case 3: router_scores_tile<3>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
-                         default: router_scores_tile<4>(x, hidden, w1, bias1, w2p, bias2, r_pad, sp + t); break;
-                       }
+                       router(static_cast<int>(std::min<int64_t>(kRouterRows, rows - t)),
+                              up + t * hidden, hidden, w1, bias1, w2p, bias2, r_pad, sp + t);
                      }
                    });
   return scores;
-}
-
-// y[m] = x[m] @ W^T over output blocks [b0, b0 + BLOCKS) for ROWS rows given
-// by pointers (inputs as bfloat16 pairs), W in pair layout with `pairs` pairs.
-template <int ROWS, int BLOCKS>
-O3_AVX512_BF16 void pair_gemm_tile(const uint32_t* const* x, const uint16_t* w,
-                                   int64_t pairs, int64_t b0, uint16_t* const* y,
-                                   int64_t n_out) {
-  __m512 acc[ROWS][BLOCKS];
-  for (int m = 0; m < ROWS; ++m)
-    for (int b = 0; b < BLOCKS; ++b) acc[m][b] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh wb[BLOCKS];
-    for (int b = 0; b < BLOCKS; ++b)
-      wb[b] = (__m512bh)_mm512_loadu_si512(w + ((b0 + b) * pairs + p) * 2 * kLanes);
-    for (int m = 0; m < ROWS; ++m) {
-      const __m512bh xs = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m][p]));
-      for (int b = 0; b < BLOCKS; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wb[b], xs);
-    }
-  }
-  for (int m = 0; m < ROWS; ++m) {
-    for (int b = 0; b < BLOCKS; ++b) {
-      const int64_t n = (b0 + b) * kLanes;
-      if (n >= n_out) break;
-      const __mmask16 keep = n + kLanes <= n_out
-                                 ? static_cast<__mmask16>(0xFFFF)
-                                 : static_cast<__mmask16>((1u << (n_out - n)) - 1);
-      _mm256_mask_storeu_epi16(y[m] + n, keep, (__m256i)_mm512_cvtneps_pbh(acc[m][b]));
-    }
-  }
-}
-
-template <int ROWS>
-void pair_gemm_rows(int blocks, const uint32_t* const* x, const uint16_t* w,
-                    int64_t pairs, int64_t b0, uint16_t* const* y, int64_t n_out) {
-  switch (blocks) {
-    case 1: pair_gemm_tile<ROWS, 1>(x, w, pairs, b0, y, n_out); break;
-    case 2: pair_gemm_tile<ROWS, 2>(x, w, pairs, b0, y, n_out); break;
-    case 3: pair_gemm_tile<ROWS, 3>(x, w, pairs, b0, y, n_out); break;
-    default: pair_gemm_tile<ROWS, 4>(x, w, pairs, b0, y, n_out); break;
-  }
 }
 
 // Row r of the product goes from x + x_row[r] * x_stride to
@@ -178,31 +89,27 @@ void pair_gemm(int64_t rows, const uint16_t* x, const int64_t* x_row,
                const int64_t* y_row, int64_t y_stride, int64_t n_out) {
   const int64_t blocks = weight.size(0), pairs = weight.size(1);
   const auto* w = reinterpret_cast<const uint16_t*>(weight.data_ptr());
-  const int64_t row_tiles = (rows + kMaxRows - 1) / kMaxRows;
-  const int64_t block_tiles = (blocks + kMaxBlocks - 1) / kMaxBlocks;
-  const int64_t work_per_tile = kMaxRows * kMaxBlocks * kLanes * pairs * 2;
+  const Tiles& isa = tiles();
+  const int64_t row_tiles = (rows + isa.pair_rows - 1) / isa.pair_rows;
+  const int64_t block_tiles = (blocks + isa.pair_blocks - 1) / isa.pair_blocks;
+  const int64_t work_per_tile = isa.pair_rows * isa.pair_blocks * kLanes * pairs * 2;
   at::parallel_for(
       0, row_tiles * block_tiles, std::max<int64_t>(1, kMinWorkPerThread / work_per_tile),
       [&](int64_t begin, int64_t end) {
         for (int64_t tile = begin; tile < end; ++tile) {
-          const int64_t m0 = tile / block_tiles * kMaxRows;
-          const int64_t b0 = tile % block_tiles * kMaxBlocks;
-          const int n_rows = static_cast<int>(std::min<int64_t>(kMaxRows, rows - m0));
-          const int n_blocks = static_cast<int>(std::min<int64_t>(kMaxBlocks, blocks - b0));
-          const uint32_t* xs[kMaxRows];
-          uint16_t* ys[kMaxRows];
+          const int64_t m0 = tile / block_tiles * isa.pair_rows;
+          const int64_t b0 = tile % block_tiles * isa.pair_blocks;
+          const int n_rows = static_cast<int>(std::min<int64_t>(isa.pair_rows, rows - m0));
+          const int n_blocks = static_cast<int>(std::min<int64_t>(isa.pair_blocks, blocks - b0));
+          const uint32_t* xs[kMaxPairTileRows];
+          uint16_t* ys[kMaxPairTileRows];
           for (int m = 0; m < n_rows; ++m) {
             const int64_t xr = x_row ? x_row[m0 + m] : m0 + m;
             const int64_t yr = y_row ? y_row[m0 + m] : m0 + m;
             xs[m] = reinterpret_cast<const uint32_t*>(x + xr * x_stride);
             ys[m] = y + yr * y_stride;
           }
-          switch (n_rows) {
-            case 1: pair_gemm_rows<1>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
-            case 2: pair_gemm_rows<2>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
-            case 3: pair_gemm_rows<3>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
-            default: pair_gemm_rows<4>(n_blocks, xs, w, pairs, b0, ys, n_out); break;
-          }
+          isa.pair_gemm(n_rows, n_blocks, xs, w, pairs, b0, ys, n_out);
         }
       });
 }

@@ -1,36 +1,25 @@
 // SwiGLU's activation, silu(gate) * up, for the full FFN of the routed
-// layers on x86 CPUs with AVX512-BF16. vLLM runs its own (`SiluAndMul`) as a
-// torch.compile'd function when called inside an opaque op such as the routed
-// FFN: in the engine that cost 0.5-0.9 ms per call at one row, on a model
-// whose whole decode step is 80-90 ms; here it is one pass over the rows,
-// computed in float32 and rounded to bfloat16 once.
+// layers on x86 CPUs with AVX512-BF16 or AVX2 (the row loop:
+// `routed_tiles.h`). vLLM runs its own (`SiluAndMul`) as a torch.compile'd
+// function when called inside an opaque op such as the routed FFN: in the
+// engine that cost 0.5-0.9 ms per call at one row, on a model whose whole
+// decode step is 80-90 ms; here it is one pass over the rows, computed in
+// float32 and rounded to bfloat16 once.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "avx512_bf16.h"
+#include "isa_tiles.h"
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t kLanes = 16;
 constexpr int64_t kChunk = 1024;  // output columns of one unit of work
 // Below this many outputs a thread's share is not worth waking threads.
 constexpr int64_t kMinWorkPerThread = 32 * 1024;
-
-// out[c] = silu(gate[c]) * up[c] for c < n.
-O3_AVX512_BF16 void silu_and_mul_row(const uint16_t* gate, const uint16_t* up,
-                                     uint16_t* out, int64_t n) {
-  for (int64_t c = 0; c < n; c += kLanes) {
-    const __mmask16 keep = n - c >= kLanes ? 0xFFFF : (1u << (n - c)) - 1;
-    const __m512 y = _mm512_mul_ps(silu_ps(bf16x16_to_float(gate + c, keep)),
-                                   bf16x16_to_float(up + c, keep));
-    _mm256_mask_storeu_epi16(out + c, keep, (__m256i)_mm512_cvtneps_pbh(y));
-  }
-}
 
 // x [rows, 2d] (gate | up) -> [rows, d], as vLLM's SiluAndMul.
 at::Tensor silu_and_mul(const at::Tensor& x) {
@@ -41,6 +30,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   at::Tensor out = at::empty({rows, d}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const auto silu_and_mul_row = tiles().silu_and_mul;
   const int64_t chunks = (d + kChunk - 1) / kChunk;
   at::parallel_for(0, rows * chunks, std::max<int64_t>(1, kMinWorkPerThread / kChunk),
                    [&](int64_t begin, int64_t end) {
