@@ -1,7 +1,7 @@
 // What the AVX512-BF16 kernels of this directory share: the target attribute
 // their functions are compiled for (the rest of the library stays portable:
-// `cpu_features.cpp` asks the CPU before any of them runs), the bfloat16
-// to float32 widening and SiLU.
+// `cpu_features.cpp` asks the CPU before any of them runs) and the bfloat16
+// to float32 widening.
 #pragma once
 
 #include <immintrin.h>
@@ -30,27 +30,4 @@ inline float bf16_to_float(uint16_t bits) {
   float value;
   std::memcpy(&value, &wide, sizeof(value));
   return value;
-}
-
-// exp(x) to about 2 ulp (Cephes' expf): x = n ln2 + r, |r| <= ln2 / 2.
-O3_AVX512_BF16 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-O3_AVX512_BF16 inline __m512 silu_ps(__m512 x) {
-  const __m512 one = _mm512_set1_ps(1.0f);
-  return _mm512_div_ps(x, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }

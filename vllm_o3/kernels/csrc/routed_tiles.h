@@ -6,6 +6,22 @@
 
 constexpr int64_t kLanes = 16;  // output channels per block of the pair layout
 
+// exp(x) to about 2 ulp (Cephes' expf): x = n ln2 + r, |r| <= ln2 / 2.
+inline Vec16 exp(Vec16 x) {
+  x = x.clamp(-87.3f, 88.3f);
+  const Vec16 n = (x * Vec16::broadcast(1.44269504088896341f)).round();
+  Vec16 r = fnmadd(n, Vec16::broadcast(0.693359375f), x);
+  r = fnmadd(n, Vec16::broadcast(-2.12194440e-4f), r);
+  Vec16 p = Vec16::broadcast(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f,
+                        5.0000001201e-1f})
+    p = fmadd(p, r, Vec16::broadcast(c));
+  p = fmadd(p, r * r, r + Vec16::broadcast(1.0f));
+  return p.times_pow2(n);
+}
+
+inline Vec16 silu(Vec16 x) { return x / (Vec16::broadcast(1.0f) + exp(Vec16::zero() - x)); }
+
 // Router scores of ROWS consecutive rows, each weight load shared by the
 // rows (one row at a time reads W1 whole from L2 per row, which bounded the
 // router at prefill sizes). Each row's sums run in the same order whatever
@@ -39,7 +55,7 @@ void router_scores_tile(const uint16_t* u, int64_t hidden, const float* w1t, con
     for (int m = 0; m < ROWS; ++m) {
       for (int b = 0; b < kRouterChunkBlocks; ++b) {
         const int64_t c = c0 + b * kLanes;
-        const Vec16 h = (acc[m][b] + Vec16::load(b1 + c)).silu();
+        const Vec16 h = silu(acc[m][b] + Vec16::load(b1 + c));
         logit[m] = fmadd(h, Vec16::load(w2 + c), logit[m]);
       }
     }
@@ -109,7 +125,7 @@ void pair_gemm_tile_of(int rows, int blocks, const uint32_t* const* x, const uin
 // out[c] = silu(gate[c]) * up[c] for c < n, in float32, rounded once.
 void silu_and_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, int64_t n) {
   for (int64_t c = 0; c < n; c += kLanes) {
-    const Vec16 y = Vec16::load_bf16(gate + c, n - c).silu() * Vec16::load_bf16(up + c, n - c);
+    const Vec16 y = silu(Vec16::load_bf16(gate + c, n - c)) * Vec16::load_bf16(up + c, n - c);
     y.store_bf16(out + c, n - c);
   }
 }

@@ -29,31 +29,6 @@ inline __m256i float_to_bf16_bits(__m256 x) {
   return _mm256_blendv_epi8(rounded, quiet_nan, is_nan);
 }
 
-// exp(x) as `avx512_bf16.h`'s exp_ps: the same polynomial; 2^n built from
-// its exponent bits, which equals VSCALEFPS for the clamped range.
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i two_n = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-}
-
-inline __m256 silu_ps(__m256 x) {
-  return _mm256_div_ps(
-      x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
 // 32 bfloat16 weights of a pair-layout block: channel c's pair in 32-bit
 // word c (its first element in the low half).
 struct Pairs {
@@ -116,7 +91,23 @@ struct Vec16 {
     return {plus_pair_products8(lo, w.lo, first, second),
             plus_pair_products8(hi, w.hi, first, second)};
   }
-  Vec16 silu() const { return {silu_ps(lo), silu_ps(hi)}; }
+  Vec16 clamp(float low, float high) const {
+    const __m256 l = _mm256_set1_ps(low), h = _mm256_set1_ps(high);
+    return {_mm256_min_ps(_mm256_max_ps(lo, l), h), _mm256_min_ps(_mm256_max_ps(hi, l), h)};
+  }
+  Vec16 round() const {
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return {_mm256_round_ps(lo, kNearest), _mm256_round_ps(hi, kNearest)};
+  }
+  // times 2^n for integral n in [-126, 127], from the exponent bits: what
+  // VSCALEFPS gives there.
+  Vec16 times_pow2(Vec16 n) const {
+    const auto pow2 = [](__m256 e) {
+      return _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(e), _mm256_set1_epi32(127)), 23));
+    };
+    return {_mm256_mul_ps(lo, pow2(n.lo)), _mm256_mul_ps(hi, pow2(n.hi))};
+  }
   // In _mm512_reduce_add_ps's order: halves, quarters, then pairs.
   float sum() const {
     const __m256 eighths = _mm256_add_ps(lo, hi);
@@ -130,9 +121,18 @@ struct Vec16 {
 inline Vec16 operator+(Vec16 a, Vec16 b) {
   return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
 }
+inline Vec16 operator-(Vec16 a, Vec16 b) {
+  return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
 inline Vec16 operator*(Vec16 a, Vec16 b) {
   return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
 }
+inline Vec16 operator/(Vec16 a, Vec16 b) {
+  return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)};
+}
 inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline Vec16 fnmadd(Vec16 a, Vec16 b, Vec16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
 }

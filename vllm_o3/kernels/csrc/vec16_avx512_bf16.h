@@ -32,10 +32,19 @@ struct Vec16 {
   Vec16 plus_pair_products(Pairs w, uint32_t x) const {
     return {_mm512_dpbf16_ps(v, w.w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)))};
   }
-  Vec16 silu() const { return {silu_ps(v)}; }
+  Vec16 clamp(float lo, float hi) const {
+    return {_mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
+  }
+  Vec16 round() const {
+    return {_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)};
+  }
+  Vec16 times_pow2(Vec16 n) const { return {_mm512_scalef_ps(v, n.v)}; }
   float sum() const { return _mm512_reduce_add_ps(v); }
 };
 
 inline Vec16 operator+(Vec16 a, Vec16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec16 operator-(Vec16 a, Vec16 b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline Vec16 operator*(Vec16 a, Vec16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec16 operator/(Vec16 a, Vec16 b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec16 fmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec16 fnmadd(Vec16 a, Vec16 b, Vec16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
