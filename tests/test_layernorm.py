@@ -11,6 +11,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.utils import vllm_engine
+from vllm_o3.model import layernorm
 from vllm_o3.model.layernorm import RMSNormWithCpuKernel
 
 EPS = 1e-5
@@ -41,6 +42,8 @@ def norm(width: int, dtype: torch.dtype) -> RMSNormWithCpuKernel:
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows, width", [(1, 64), (37, 576), (5, 2048), (0, 64)])
 def test_the_kernel_normalises_as_the_definition_says(rows, width, dtype):
+    if dtype == torch.bfloat16 and not layernorm.BFLOAT16_ROUNDS_TO_NEAREST:
+        pytest.skip("the kernel does not take bfloat16 here (the test below)")
     torch.manual_seed(rows + width)
     layer = norm(width, dtype)
     x = torch.randn(rows, width, dtype=dtype) * 3
@@ -61,6 +64,37 @@ def test_the_kernel_normalises_as_the_definition_says(rows, width, dtype):
     # In place, as vLLM's fused op is on GPUs: callers rebind both names.
     assert out.data_ptr() == x_in.data_ptr()
     assert new_residual.data_ptr() == residual_in.data_ptr()
+
+
+def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
+    return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
+
+
+def test_bfloat16_runs_natively_where_the_kernel_rounds_toward_zero():
+    from vllm import _custom_ops as ops
+
+    torch.manual_seed(2)
+    layer = norm(2048, torch.bfloat16)
+    x = torch.randn(16, 2048, dtype=torch.bfloat16) * 3
+    residual = torch.randn(16, 2048, dtype=torch.bfloat16)
+    summed = x.float() + residual.float()
+    kernel_residual = residual.clone()
+    ops.fused_add_rms_norm(x.clone(), kernel_residual, layer.weight.data, EPS)
+    refusal = layer._cpu_kernel_refusal(x, residual)
+    if layernorm.BFLOAT16_ROUNDS_TO_NEAREST:
+        assert refusal is None
+        assert torch.equal(kernel_residual, summed.bfloat16())
+        return
+    # What vLLM's kernel for this CPU does, and why it is not used: should a
+    # vLLM release round to nearest here, this fails and the kernel can return.
+    assert torch.equal(kernel_residual, round_toward_zero(summed))
+    assert not torch.equal(kernel_residual, summed.bfloat16())
+    assert "rounds toward zero" in refusal
+    out, new_residual = layer.forward_cpu(x.clone(), residual.clone())
+    assert torch.equal(new_residual, summed.bfloat16())
+    torch.testing.assert_close(
+        out, rms_norm_reference(summed.bfloat16(), layer.weight), atol=3e-2, rtol=3e-2
+    )
 
 
 def test_a_rows_norm_does_not_depend_on_its_batch():

@@ -10,6 +10,8 @@ Inductor fuses the native form as before.
 
 from __future__ import annotations
 
+import platform
+
 import torch
 from vllm import _custom_ops as ops
 from vllm.logger import init_logger
@@ -21,6 +23,13 @@ logger = init_logger(__name__)
 # other widths.
 CPU_KERNEL_WIDTH_MULTIPLE = 8
 CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# vLLM loads its kernels built for AVX512-BF16 where an x86 CPU has it; its
+# AVX2 build rounds bfloat16 results toward zero (measured: every residual
+# and output element), which would bias the residual stream at every layer.
+BFLOAT16_ROUNDS_TO_NEAREST = (
+    platform.machine().lower() not in ("x86_64", "amd64")
+    or torch.cpu._is_avx512_bf16_supported()
+)
 
 
 class RMSNormWithCpuKernel(RMSNorm):
@@ -39,6 +48,8 @@ class RMSNormWithCpuKernel(RMSNorm):
             return f"width {x.shape[-1]}, not a multiple of {CPU_KERNEL_WIDTH_MULTIPLE}"
         if not all(t.dtype == x.dtype and t.is_contiguous() for t in tensors):
             return "a strided or mixed-dtype input"
+        if x.dtype == torch.bfloat16 and not BFLOAT16_ROUNDS_TO_NEAREST:
+            return "bfloat16 on a CPU without AVX512-BF16, where it rounds toward zero"
         return None
 
     def _runs_kernel(self, *tensors: torch.Tensor) -> bool:

@@ -3,10 +3,10 @@
 // `isa_tiles.h` inside the namespace and target region of this ISA.
 //
 // Each operation gives the float32 result of its AVX512-BF16 counterpart
-// bit for bit on normal numbers: the products of two bfloat16 values are
-// exact in float32, so VDPBF16PS's two adds are two FMAs in its order (odd
-// element first), and `sum` adds in _mm512_reduce_add_ps's order. The tiles
-// are narrower: 16 registers, not 32.
+// bit for bit on normal numbers: `sum` adds in _mm512_reduce_add_ps's
+// order, and the products of two bfloat16 values are exact in float32, so
+// VDPBF16PS's two adds are two FMAs in the order Intel documents (odd
+// element first). The tiles are narrower: 16 registers, not 32.
 
 constexpr int kRouterChunkBlocks = 2;
 constexpr int kPairTileRows = 4;
