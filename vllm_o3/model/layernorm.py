@@ -10,12 +10,11 @@ Inductor fuses the native form as before.
 
 from __future__ import annotations
 
-import platform
-
 import torch
 from vllm import _custom_ops as ops
 from vllm.logger import init_logger
 from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.platforms import CpuArchEnum, current_platform
 
 logger = init_logger(__name__)
 
@@ -27,7 +26,7 @@ CPU_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # AVX2 build rounds bfloat16 results toward zero (measured: every residual
 # and output element), which would bias the residual stream at every layer.
 BFLOAT16_ROUNDS_TO_NEAREST = (
-    platform.machine().lower() not in ("x86_64", "amd64")
+    current_platform.get_cpu_architecture() != CpuArchEnum.X86
     or torch.cpu._is_avx512_bf16_supported()
 )
 
