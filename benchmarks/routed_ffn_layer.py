@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import torch
@@ -135,9 +136,9 @@ def kernel_paths() -> str:
     from vllm_o3.kernels import cpu_routed_ffn
 
     isa = torch.ops.o3_cpu.kernel_isa()
-    if isa != "avx512_bf16":
+    rows = cpu_routed_ffn.fused_rows_below()
+    if rows == sys.maxsize:
         return f"the router and the light path in C++ ({isa}) at every row count"
-    rows = cpu_routed_ffn.FUSED_MAX_ROWS
     return (
         f"the router in C++ ({isa}); below {rows} rows the light path too, in "
         f"the same call, from {rows} rows the light rows through vLLM's CPU GEMM"

@@ -58,11 +58,15 @@ class CpuRoutedWeights(nn.Module):
         self.register_buffer("down", down, persistent=False)  # pair layout
         self.register_buffer("up", up, persistent=False)  # pair layout
         self.rank = rank
-        self.fused_rows_below = (
-            FUSED_MAX_ROWS
-            if torch.ops.o3_cpu.kernel_isa() == "avx512_bf16"
-            else sys.maxsize
-        )
+        self.fused_rows_below = fused_rows_below()
+
+
+def fused_rows_below() -> int:
+    """Batches of fewer rows run their light rows in the fused kernel, on the
+    ISA it runs on now: every batch on AVX2 (no oneDNN bfloat16 GEMM)."""
+    if torch.ops.o3_cpu.kernel_isa() == "avx512_bf16":
+        return FUSED_MAX_ROWS
+    return sys.maxsize
 
 
 class CpuSiluAndMul(nn.Module):
