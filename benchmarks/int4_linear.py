@@ -6,12 +6,13 @@ every call reads its weights from memory, not cache: before each timed call
 the benchmark reads twice the size of the last-level cache in other data
 (cycling through copies of the weights, as it did first, left the 4-bit
 ones in a 300 MB L3). Every column is vLLM's linear layer, called as the
-model calls it: 16-bit (its oneDNN-packed path, as the engine runs it);
+model calls it: 16-bit (its oneDNN-packed path where oneDNN has one, as the
+engine runs it);
 `o3_int4` as it runs here
 (`Int4Linear`: the AVX512-BF16 INT4 GEMM, on AMX tiles from `AMX_MIN_ROWS`
 rows where the CPU has them); `o3_int4` on a CPU without
-AVX512-BF16 (torch's packed INT4 matmul up to SMALL_M_MAX rows, dequantize +
-16-bit GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
+AVX512-BF16 (torch's packed INT4 matmul up to `packed_max_rows`, dequantize
++ GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
 for reference (with AMX it is vLLM's W4A8 path, which quantizes activations
 to int8 and needs zero points: the symmetric weight is given explicit zeros
 of 8). Medians of repeats.
@@ -41,7 +42,7 @@ SHAPES = {  # (out, in)
     "135m gate_up": (3072, 576),
     "135m down": (576, 1536),
 }
-# Plus both sides of the fallback's switch (SMALL_M_MAX, SMALL_M_MAX + 1).
+# Plus both sides of the fallback's switch (`packed_max_rows`).
 ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)
 
 
@@ -84,6 +85,8 @@ def int4_linear(weight: torch.Tensor, packed):
 
 
 def vllm_wna16_linear(weight: torch.Tensor, packed):
+    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None  # vLLM's AVX2 build has no such kernel
     from vllm_o3.kernels.int4_linear import Int4Linear
     from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, pack_int4
 
@@ -98,6 +101,8 @@ def without_avx512_bf16(weight: torch.Tensor, packed):
     from vllm_o3.kernels import cpu_int4_gemm
 
     available = cpu_int4_gemm.unavailable_reason
+    if available() is not None:
+        return None  # what the o3_int4 column runs here
     cpu_int4_gemm.unavailable_reason = lambda: "benchmarked without it"
     try:
         return o3_int4_layer(weight, packed)
@@ -105,13 +110,14 @@ def without_avx512_bf16(weight: torch.Tensor, packed):
         cpu_int4_gemm.unavailable_reason = available
 
 
-# The columns of the table, each built from (16-bit weight, INT4 weight).
+# The columns of the table, each built from (16-bit weight, INT4 weight);
+# None: not run on this CPU.
 VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
 
 
 def main() -> None:
-    from vllm_o3.kernels import cpu_int4_gemm
-    from vllm_o3.kernels.int4_linear import SMALL_M_MAX
+    from vllm_o3.kernels import cpu_int4_gemm, cpu_kernels
+    from vllm_o3.kernels.int4_linear import gemm_dtype, packed_max_rows
     from vllm_o3.quantization.int4_format import largest_group_size, quantize
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -120,28 +126,37 @@ def main() -> None:
     torch.set_default_dtype(torch.bfloat16)
     rows = []
     evict = cache_evictor()
+    switch = packed_max_rows(torch.bfloat16)
     with single_process_vllm():
         for name, (out_features, in_features) in SHAPES.items():
             torch.manual_seed(0)
             weight = torch.randn(out_features, in_features) * in_features**-0.5
             packed = quantize(weight, largest_group_size(name, in_features), sym=True)
             layers = [build(weight, packed) for build in VARIANTS]
-            switch = (SMALL_M_MAX, SMALL_M_MAX + 1)
-            for m in tqdm(sorted({*ROWS, *switch}), desc=name):
+            running = [f for f in layers if f is not None]
+            for m in tqdm(sorted({*ROWS, switch, switch + 1}), desc=name):
                 x = torch.randn(m, in_features)
-                times = interleaved_times(
-                    [lambda f=f, x=x: f(x) for f in layers], args.repeats, before=evict
+                measured = iter(
+                    interleaved_times(
+                        [lambda f=f, x=x: f(x) for f in running],
+                        args.repeats,
+                        before=evict,
+                    )
                 )
-                ms = [statistics.median(t) * 1e3 for t in times]
+                times = [None if f is None else next(measured) for f in layers]
+                dense_ms = statistics.median(times[0]) * 1e3
                 cells = [
-                    f"{t:.3f} | {median_ratio(times[0], samples):.2f}x"
-                    for t, samples in zip(ms[1:], times[1:], strict=True)
+                    "n/a | n/a"
+                    if samples is None
+                    else f"{statistics.median(samples) * 1e3:.3f} | "
+                    f"{median_ratio(times[0], samples):.2f}x"
+                    for samples in times[1:]
                 ]
                 rows.append(
                     f"| {name} {out_features}x{in_features} | {packed.group_size} "
-                    f"| {m} | {ms[0]:.3f} | " + " | ".join(cells) + " |"
+                    f"| {m} | {dense_ms:.3f} | " + " | ".join(cells) + " |"
                 )
-    cpu_int4_gemm.unavailable_reason()  # loads the kernels, sets AMX_MIN_ROWS
+    reason = cpu_int4_gemm.unavailable_reason()  # loads, sets AMX_MIN_ROWS
     amx = cpu_int4_gemm.AMX_MIN_ROWS > 0
     path = (
         f"below {cpu_int4_gemm.AMX_MIN_ROWS} rows, on AMX tiles from there "
@@ -154,13 +169,33 @@ def main() -> None:
         if amx
         else "at every row count (no AMX)"
     )
+    dequantized = str(gemm_dtype(torch.bfloat16)).removeprefix("torch.")
+    fallback = (
+        f"torch's packed INT4 matmul up to {switch} rows, above them the weight "
+        f"dequantized to {dequantized} and torch's GEMM"
+    )
+    runs = (
+        f"`Int4Linear` runs the AVX512-BF16 INT4 GEMM {path}; without "
+        f"AVX512-BF16 it runs {fallback}"
+        if reason is None
+        else f"`Int4Linear` runs {fallback} ({reason})"
+    )
+    if amx:
+        vllm_kernel = "W4A8 (AMX)"
+    elif hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        vllm_kernel = "CPUWNA16"
+    else:
+        vllm_kernel = "none in vLLM's build for this CPU"
+    dense = (
+        "oneDNN's"
+        if cpu_kernels.has_fast_gemm(torch.bfloat16)
+        else "torch's bfloat16 loop: oneDNN has no bfloat16 GEMM on this CPU"
+    )
     body = (
         "bf16 activations; INT4 symmetric, group 128 (64 where 128 does not "
-        f"divide the input); `Int4Linear` runs the AVX512-BF16 INT4 GEMM {path}"
-        "; without AVX512-BF16 it switches from torch's packed INT4 matmul to "
-        f"dequantize + GEMM above {SMALL_M_MAX} rows. vLLM's CPU kernel: "
-        + ("W4A8 (AMX)" if torch.cpu._is_amx_tile_supported() else "CPUWNA16")
-        + ". Weights read from memory (the caches evicted before each call). "
+        f"divide the input); 16-bit: vLLM's linear ({dense}); {runs}. "
+        f"vLLM's CPU kernel: {vllm_kernel}. Weights read from memory (the "
+        "caches evicted before each call). "
         "Each repeat calls every column once, each repeat starting from the "
         "next column; times are medians, "
         "speed-ups the medians over the repeats of 16-bit time / variant time "

@@ -22,7 +22,12 @@ from tests.utils import (
     vllm_generations,
 )
 from vllm_o3.kernels import cpu_int4_gemm
-from vllm_o3.kernels.int4_linear import SMALL_M_MAX, Int4Linear, dense_buffer
+from vllm_o3.kernels.int4_linear import (
+    Int4Linear,
+    dense_buffer,
+    gemm_dtype,
+    packed_max_rows,
+)
 from vllm_o3.model import O3Config
 from vllm_o3.model.checkpoint import expected_tensor_shapes
 from vllm_o3.quantization.int4_format import (
@@ -245,6 +250,10 @@ def test_inputs_of_any_leading_shape_and_layout(avx512_bf16, request):
         )
 
 
+# Where torch's packed INT4 matmul hands over to dequantize + GEMM.
+SWITCH = packed_max_rows(torch.bfloat16)
+
+
 @pytest.fixture
 def without_avx512_bf16(monkeypatch):
     monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
@@ -252,7 +261,7 @@ def without_avx512_bf16(monkeypatch):
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
-@pytest.mark.parametrize("rows", [1, 5, SMALL_M_MAX, SMALL_M_MAX + 1, 100])
+@pytest.mark.parametrize("rows", [1, 5, SWITCH, SWITCH + 1, 2 * SWITCH + 3])
 def test_without_avx512_bf16_torch_kernels_equal_dequantized_matmul(
     without_avx512_bf16, sym, group_size, rows
 ):
@@ -272,10 +281,11 @@ def test_dequantizing_path_holds_the_reference_weight(
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
     linear = Int4Linear(packed, torch.bfloat16)
-    linear(torch.randn(SMALL_M_MAX + 1, 256, dtype=torch.bfloat16))
-    dense = dense_buffer((96, 256), torch.bfloat16).float()
+    linear(torch.randn(SWITCH + 1, 256, dtype=torch.bfloat16))
+    dtype = gemm_dtype(torch.bfloat16)
+    dense = dense_buffer((96, 256), dtype).float()
     want = dequantize(packed, torch.float32)
-    assert torch.equal(dense, want.to(torch.bfloat16).float())
+    assert torch.equal(dense, want.to(dtype).float())
 
 
 def test_compiled_linear_picks_the_path_per_call(without_avx512_bf16):
@@ -291,7 +301,7 @@ def test_compiled_linear_picks_the_path_per_call(without_avx512_bf16):
         fullgraph=True,
         options={"guard_filter_fn": lambda guards: [False] * len(guards)},
     )
-    compiled(torch.randn(4 * SMALL_M_MAX, 256, dtype=torch.bfloat16))
+    compiled(torch.randn(4 * SWITCH, 256, dtype=torch.bfloat16))
     x = torch.randn(1, 256, dtype=torch.bfloat16)
     packed_path = torch._weight_int4pack_mm_for_cpu(
         x, linear.packed, linear.group_size, linear.scale_zero

@@ -7,7 +7,8 @@ Lake / Sapphire Rapids on, AMD Zen 4 on) or AVX2 with FMA (AMD Zen to Zen 3,
 Intel Haswell on), and a C++ compiler (which vLLM's compiled mode on CPU
 needs anyway); the INT4 GEMM needs AVX512-BF16 (`cpu_int4_gemm`). Elsewhere
 `unavailable_reason` says why, and each caller logs it and runs its PyTorch
-path.
+path. `has_fast_gemm` says whether torch's own GEMM, which the callers
+hand the rest to, is a fast one on this CPU.
 """
 
 from __future__ import annotations
@@ -67,3 +68,16 @@ def using_isa(isa: str) -> Iterator[None]:
         yield
     finally:
         torch.ops.o3_cpu.use_isa(best)
+
+
+@functools.cache
+def has_fast_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM for `dtype` is a fast one here, and so vLLM's
+    CPU linears (oneDNN's, which needs AVX-512 on x86 for 16-bit types).
+    Without it torch's 16-bit matmul is a plain loop: on an AMD Zen 3 5x
+    slower than float32 (docs/bench_int4_linear.md)."""
+    checks = {
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+    }
+    return dtype not in checks or checks[dtype]()

@@ -6,13 +6,13 @@ At decode sizes router, partition and light path run in one C++ call: in
 PyTorch (`routing.routed_ffn_torch`, which defines it and runs where the C++
 kernels cannot) they are a dozen operations per layer, whose dispatch alone
 made a light token cost a third of a heavy one on a small model
-(docs/bench_routed_ffn_layer.md). On AVX512-BF16 CPUs, from FUSED_MAX_ROWS
-rows on, the light rows go through the caller's light path instead, which is
-vLLM's own GEMM dispatch (oneDNN, on AMX tiles where the CPU has them: at
-7,680 rows 10 ms against the kernel's 92 ms for the 1b preset's light path).
-On AVX2 CPUs oneDNN has no bfloat16 matmul and vLLM runs torch's, which the
-kernel outruns 4x at every batch size (1b preset, 4 to 512 rows): there the
-kernel takes every batch.
+(docs/bench_routed_ffn_layer.md). Where oneDNN has a bfloat16 GEMM (x86
+with AVX-512), from FUSED_MAX_ROWS rows on, the light rows go through the
+caller's light path instead, which is vLLM's own GEMM dispatch (oneDNN, on
+AMX tiles where the CPU has them: at 7,680 rows 10 ms against the kernel's
+92 ms for the 1b preset's light path). On AVX2 CPUs oneDNN has no bfloat16
+GEMM and vLLM runs torch's loop, which the kernel outruns 4x at every batch
+size (1b preset, 4 to 512 rows): there the kernel takes every batch.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ from vllm_o3.kernels.routing import routed_rows, with_heavy_rows
 
 LANES = 16  # float32 lanes of AVX-512: output channels per block
 ROUTER_CHUNK = 64  # router hidden units per pass of the kernel
-# Rows from which the light path leaves the fused kernel on AVX512-BF16: at
-# 4 rows both take the same time, at 16 the GEMM 4x less (1b preset, AMX).
+# Rows from which the light path leaves the fused kernel for oneDNN's GEMM:
+# at 4 rows both take the same time, at 16 the GEMM 4x less (1b preset, AMX).
 FUSED_MAX_ROWS = 8
 
 
 class CpuRoutedWeights(nn.Module):
     """One routed layer's router and light path in the kernel's layouts, as
     buffers: a layer holding them counts them among its weights; and from
-    how many rows the light rows leave the kernel on the ISA it runs on."""
+    how many rows the light rows leave the kernel (`fused_rows_below`)."""
 
     def __init__(
         self,
@@ -62,9 +62,9 @@ class CpuRoutedWeights(nn.Module):
 
 
 def fused_rows_below() -> int:
-    """Batches of fewer rows run their light rows in the fused kernel, on the
-    ISA it runs on now: every batch on AVX2 (no oneDNN bfloat16 GEMM)."""
-    if torch.ops.o3_cpu.kernel_isa() == "avx512_bf16":
+    """Batches of fewer rows run their light rows in the fused kernel: every
+    batch where vLLM's GEMM for them would be torch's plain bfloat16 loop."""
+    if cpu_kernels.has_fast_gemm(torch.bfloat16):
         return FUSED_MAX_ROWS
     return sys.maxsize
 

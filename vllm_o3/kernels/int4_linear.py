@@ -15,11 +15,12 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
   Either way from the 4-bit weight alone (half a byte per weight);
 - where it cannot run (no AVX512-BF16, no compiler, activations not
   bfloat16: logged once), torch's own packed-INT4 matmul
-  (`_weight_int4pack_mm_for_cpu`) up to `SMALL_M_MAX` rows (fast at one row,
+  (`_weight_int4pack_mm_for_cpu`) up to `packed_max_rows` (fast at one row,
   but its cost grows with the rows) and above, the weight dequantized once per
   call into a buffer shared by all layers (one pass, compiled by torch) and
-  the 16-bit GEMM on it. That holds the weight twice in 4 bits, one layout
-  per path: 1 byte per weight, half of 16-bit.
+  a GEMM on it: 16-bit where torch has a oneDNN GEMM for the activations'
+  dtype, else float32 (`gemm_dtype`). That holds the weight twice in 4 bits,
+  one layout per path: 1 byte per weight, half of 16-bit.
 
 GPUs: vLLM's mixed-precision kernel selection (`choose_mp_linear_kernel`:
 Machete, Marlin, ..., its own Triton W4A16) on the checkpoint's GPTQ layout;
@@ -35,14 +36,17 @@ import torch
 from torch import nn
 from vllm.logger import init_logger
 
-from vllm_o3.kernels import cpu_int4_gemm
+from vllm_o3.kernels import cpu_int4_gemm, cpu_kernels
 from vllm_o3.quantization.int4_format import SYMMETRIC_ZERO, Int4Weight, unpack_int4
 
 logger = init_logger(__name__)
 
-# Crossover of torch's packed INT4 matmul and dequantize + GEMM, between 32
-# and 48 rows for both FFN shapes of the 1b preset.
+# Crossover of torch's packed INT4 matmul and dequantize + GEMM for both FFN
+# shapes of the 1b preset: between 32 and 48 rows with oneDNN's 16-bit GEMM
+# (Intel Xeon), between 96 and 128 with the float32 one (AMD Zen 3), whose
+# dequantization writes twice the bytes.
 SMALL_M_MAX = 40
+SMALL_M_MAX_FLOAT32_GEMM = 128
 INNER_K_TILES = 2
 
 
@@ -75,6 +79,20 @@ def _dequantize_into(
     q = ((halves >> shifts) & 15).to(torch.float32)
     w = q * scales.view(n, groups, 1, 1) - offsets.view(n, groups, 1, 1)
     return out.copy_(w.view(n, k))
+
+
+def gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the dequantizing path multiplies in: float32 where torch has
+    no fast GEMM for `dtype` (float32 is exact for every 4-bit weight times
+    a 16-bit scale)."""
+    return dtype if cpu_kernels.has_fast_gemm(dtype) else torch.float32
+
+
+def packed_max_rows(dtype: torch.dtype) -> int:
+    """Up to how many rows of `dtype` torch's packed INT4 matmul runs."""
+    if gemm_dtype(dtype) == torch.float32:
+        return SMALL_M_MAX_FLOAT32_GEMM
+    return SMALL_M_MAX
 
 
 _compiled_dequantize_into = None
@@ -112,14 +130,14 @@ def int4_linear_cpu_packed(
     group_size: int,
 ) -> torch.Tensor:
     """Where the AVX512-BF16 kernel cannot run: torch's packed INT4 matmul up
-    to `SMALL_M_MAX` rows, dequantize + GEMM above. Chosen by the rows of each
+    to `packed_max_rows`, dequantize + GEMM above. Chosen by the rows of each
     call, inside an operation opaque to torch.compile: traced inline, the
     choice would be fixed at the batch size vLLM compiles with."""
-    if x.shape[0] <= SMALL_M_MAX:
+    if x.shape[0] <= packed_max_rows(x.dtype):
         return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scale_zero)
-    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), x.dtype)
+    dense = dense_buffer((rows.shape[0], rows.shape[1] * 2), gemm_dtype(x.dtype))
     compiled_dequantize_into()(dense, rows, row_scales, row_offsets, HALF_SHIFTS)
-    return torch.nn.functional.linear(x, dense)
+    return torch.nn.functional.linear(x.to(dense.dtype), dense).to(x.dtype)
 
 
 @int4_linear_cpu_packed.register_fake
@@ -174,10 +192,11 @@ class Int4Linear(nn.Module):
             return
         logger.warning_once(
             "o3_int4 on CPU: the AVX512-BF16 INT4 kernel is not used (%s); "
-            "torch's packed INT4 matmul and dequantize + 16-bit GEMM run "
-            "instead, slower than 16-bit from about 8 rows on "
-            "(docs/bench_int4_linear.md)",
+            "torch's packed INT4 matmul up to %d rows and dequantize + %s "
+            "GEMM above run instead (docs/bench_int4_linear.md)",
             reason,
+            packed_max_rows(self.dtype),
+            str(gemm_dtype(self.dtype)).removeprefix("torch."),
         )
         zeros = (
             torch.full_like(scales, SYMMETRIC_ZERO)
