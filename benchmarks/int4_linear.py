@@ -9,9 +9,9 @@ ones in a 300 MB L3). Every column is vLLM's linear layer, called as the
 model calls it: 16-bit (its oneDNN-packed path where oneDNN has one, as the
 engine runs it);
 `o3_int4` as it runs here
-(`Int4Linear`: the AVX512-BF16 INT4 GEMM, on AMX tiles from `AMX_MIN_ROWS`
-rows where the CPU has them); `o3_int4` on a CPU without
-AVX512-BF16 (torch's packed INT4 matmul up to `packed_max_rows`, dequantize
+(`Int4Linear`: our INT4 GEMM on AVX512-BF16, on AMX tiles from `AMX_MIN_ROWS`
+rows where the CPU has them, or on AVX2); `o3_int4` where our kernel cannot
+run (torch's packed INT4 matmul up to `packed_max_rows`, dequantize
 + GEMM above); and vLLM's own CPU W4A16 kernel (`CPUWNA16LinearKernel`)
 for reference (with AMX it is vLLM's W4A8 path, which quantizes activations
 to int8 and needs zero points: the symmetric weight is given explicit zeros
@@ -97,7 +97,7 @@ def vllm_wna16_linear(weight: torch.Tensor, packed):
     return o3_int4_layer(weight, packed, vllm_kernel)
 
 
-def without_avx512_bf16(weight: torch.Tensor, packed):
+def without_int4_kernel(weight: torch.Tensor, packed):
     from vllm_o3.kernels import cpu_int4_gemm
 
     available = cpu_int4_gemm.unavailable_reason
@@ -112,7 +112,7 @@ def without_avx512_bf16(weight: torch.Tensor, packed):
 
 # The columns of the table, each built from (16-bit weight, INT4 weight);
 # None: not run on this CPU.
-VARIANTS = (dense_linear, int4_linear, without_avx512_bf16, vllm_wna16_linear)
+VARIANTS = (dense_linear, int4_linear, without_int4_kernel, vllm_wna16_linear)
 
 
 def main() -> None:
@@ -174,12 +174,14 @@ def main() -> None:
         f"torch's packed INT4 matmul up to {switch} rows, above them the weight "
         f"dequantized to {dequantized} and torch's GEMM"
     )
-    runs = (
-        f"`Int4Linear` runs the AVX512-BF16 INT4 GEMM {path}; without "
-        f"AVX512-BF16 it runs {fallback}"
-        if reason is None
-        else f"`Int4Linear` runs {fallback} ({reason})"
-    )
+    isa = torch.ops.o3_cpu.kernel_isa() if reason is None else None
+    if isa == "avx512_bf16":
+        runs = f"`Int4Linear` runs our AVX512-BF16 INT4 GEMM {path}"
+    elif isa == "avx2":
+        runs = "`Int4Linear` runs our INT4 GEMM's AVX2 build at every row count"
+    else:
+        runs = f"`Int4Linear` runs {fallback} ({reason})"
+    runs += f"; without our kernel it runs {fallback}"
     if amx:
         vllm_kernel = "W4A8 (AMX)"
     elif hasattr(torch.ops._C, "cpu_gemm_wna16"):
@@ -202,7 +204,7 @@ def main() -> None:
         "(the machine's speed drifts between minutes, and cancels in a repeat's "
         "ratio).\n\n"
         "| linear | group | rows | 16-bit ms | o3_int4 ms | speed-up "
-        "| o3_int4 without AVX512-BF16 ms | speed-up "
+        "| o3_int4 without our kernel ms | speed-up "
         "| vLLM's CPU kernel ms | speed-up |\n"
         "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)
     )

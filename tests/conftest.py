@@ -20,6 +20,25 @@ if not os.path.exists("/dev/nvidia0"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_generate_tests(metafunc):
+    # Tests that take `isa` run once per ISA our C++ kernels run on here
+    # (none where they do not run: skipped).
+    if "isa" in metafunc.fixturenames:
+        from vllm_o3.kernels import cpu_kernels
+
+        metafunc.parametrize("isa", cpu_kernels.isas(), indirect=True)
+
+
+@pytest.fixture
+def isa(request) -> str:
+    """Each ISA the kernels run on here: the best one, and those a CPU
+    without it would run (AVX2 on an AVX512-BF16 CPU)."""
+    from vllm_o3.kernels import cpu_kernels
+
+    with cpu_kernels.using_isa(request.param):
+        yield request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A created `tiny` O3 checkpoint (tied head, no attention gate)."""

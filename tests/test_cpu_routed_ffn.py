@@ -88,14 +88,6 @@ needs_kernel = pytest.mark.skipif(
 ISAS = cpu_kernels.isas()
 
 
-@pytest.fixture(params=ISAS)
-def isa(request) -> str:
-    """Each ISA the kernels run on here: the best one, and those a CPU
-    without it would run (AVX2 on an AVX512-BF16 CPU)."""
-    with cpu_kernels.using_isa(request.param):
-        yield request.param
-
-
 class Layer:
     def __init__(self, H: int, r: int, R: int, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

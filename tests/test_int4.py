@@ -101,13 +101,17 @@ def assert_matches_dequantized(linear: Int4Linear, packed: Int4Weight, rows: int
     )
 
 
-def test_the_avx512_bf16_kernel_runs_where_the_cpu_has_it():
-    # Not a silent fallback: on a CPU with AVX512-BF16 the kernel must build.
+def test_the_int4_kernel_runs_on_the_best_isa_the_cpu_has():
+    # Not a silent fallback: on a CPU with AVX512-BF16, or else AVX2 and FMA,
+    # the kernel must build, and bfloat16 layers must run it.
     flags = Path("/proc/cpuinfo").read_text().split()
-    if "avx512_bf16" in flags:
+    if "avx512_bf16" in flags or ("avx2" in flags and "fma" in flags):
         assert cpu_int4_gemm.unavailable_reason() is None
+        packed = quantize(torch.randn(64, 128, dtype=torch.bfloat16), 32, True)
+        linear = Int4Linear(packed, torch.bfloat16)
+        assert linear.forward == linear._forward_kernel
     else:
-        assert "AVX512-BF16" in cpu_int4_gemm.unavailable_reason()
+        assert "neither AVX512-BF16 nor AVX2" in cpu_int4_gemm.unavailable_reason()
 
 
 def test_the_amx_path_is_taken_where_the_cpu_has_amx():
@@ -120,20 +124,14 @@ def test_the_amx_path_is_taken_where_the_cpu_has_amx():
         assert cpu_int4_gemm.AMX_MIN_ROWS == 0
 
 
-needs_avx512_bf16 = pytest.mark.skipif(
-    cpu_int4_gemm.unavailable_reason() is not None,
-    reason=str(cpu_int4_gemm.unavailable_reason()),
-)
-
-
-@needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_avx512_bf16_path_is_exact_to_rounding_for_inputs_far_from_zero(sym, rows):
-    # Below AMX's rows the kernel sums (128 + q) x per group and takes
-    # (zero + 128) * scale * sum(x) off: inputs of mean 8 make both terms
-    # hundreds of times the result. What is left must stay at the output's
-    # bfloat16 rounding (~2e-3 of the norm, as before this form).
+def test_kernel_is_exact_to_rounding_for_inputs_far_from_zero(isa, sym, rows):
+    # Below AMX's rows the AVX-512 kernel sums (128 + q) x per group and
+    # takes (zero + 128) * scale * sum(x) off: inputs of mean 8 make both
+    # terms hundreds of times the result. What is left must stay at the
+    # output's bfloat16 rounding (~2e-3 of the norm, as before this form);
+    # the AVX2 kernel's dequantized weight must too.
     torch.manual_seed(0)
     weight = torch.randn(200, 1024, dtype=torch.bfloat16)
     packed = quantize(weight, 128, sym)
@@ -144,7 +142,6 @@ def test_avx512_bf16_path_is_exact_to_rounding_for_inputs_far_from_zero(sym, row
     assert error < 3e-3
 
 
-@needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 70, 300])
@@ -152,25 +149,25 @@ def test_avx512_bf16_path_is_exact_to_rounding_for_inputs_far_from_zero(sym, row
     ("out_features", "in_features"), [(96, 256), (64, 4096), (200, 128)]
 )
 @pytest.mark.parametrize("amx_min_rows", [0, 4])
-def test_avx512_bf16_kernel_equals_dequantized_matmul(
-    sym, group_size, rows, out_features, in_features, amx_min_rows, monkeypatch
+def test_int4_kernel_equals_dequantized_matmul(
+    isa, sym, group_size, rows, out_features, in_features, amx_min_rows, monkeypatch
 ):
     # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
     # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
-    # the chunks of rows the kernel keeps in cache; with amx_min_rows 4, on a
-    # CPU with AMX, calls from 4 rows take the AMX path: tiles of the call's
-    # rows (4, 5, 20 = 16 + 4), 32-row chunks with a partial last one (50),
-    # and from 64 rows the dequantized weight on the tiles (300).
+    # the chunks of rows the kernel keeps in cache (AVX2: 20 rows span two);
+    # with amx_min_rows 4, on a CPU with AMX, AVX-512 calls from 4 rows take
+    # the AMX path: tiles of the call's rows (4, 5, 20 = 16 + 4), 32-row
+    # chunks with a partial last one (50), and from 64 rows the dequantized
+    # weight on the tiles (300).
     monkeypatch.setattr(cpu_int4_gemm, "AMX_MIN_ROWS", amx_min_rows)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     packed = quantize(weight, group_size, sym)
     linear = Int4Linear(packed, torch.bfloat16)
-    assert linear.forward == linear._forward_avx512_bf16
+    assert linear.forward == linear._forward_kernel
     assert_matches_dequantized(linear, packed, rows)
 
 
-@needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize(
@@ -197,26 +194,24 @@ def test_avx512_bf16_kernel_equals_dequantized_matmul(
     ],
 )
 def test_calls_whose_rows_outgrow_the_cache_equal_dequantized_matmul(
-    sym, group_size, in_features, rows, out_features
+    isa, sym, group_size, in_features, rows, out_features
 ):
-    # On AMX CPUs, x or y of 1-2 MB or more.
+    # On AMX CPUs, x or y of 1-2 MB or more; elsewhere many chunks of rows.
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=torch.bfloat16)
     packed = quantize(weight, group_size, sym)
     assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, rows)
 
 
-@needs_avx512_bf16
 @pytest.mark.parametrize("sym", [True, False])
-def test_calls_of_thousands_of_rows_equal_dequantized_matmul(sym):
+def test_calls_of_thousands_of_rows_equal_dequantized_matmul(isa, sym):
     # On AMX CPUs, the whole weight dequantized and torch's GEMM.
     torch.manual_seed(0)
     packed = quantize(torch.randn(200, 128, dtype=torch.bfloat16), 32, sym)
     assert_matches_dequantized(Int4Linear(packed, torch.bfloat16), packed, 1540)
 
 
-@needs_avx512_bf16
-def test_avx512_bf16_kernel_compiles_as_one_opaque_operation():
+def test_int4_kernel_compiles_as_one_opaque_operation(isa):
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), 128, True)
     linear = Int4Linear(packed, torch.bfloat16)
@@ -226,12 +221,12 @@ def test_avx512_bf16_kernel_compiles_as_one_opaque_operation():
         assert torch.equal(compiled(x), linear(x))
 
 
-@pytest.mark.parametrize("avx512_bf16", [True, False])
-def test_inputs_of_any_leading_shape_and_layout(avx512_bf16, request):
+@pytest.mark.parametrize("kernel", [True, False])
+def test_inputs_of_any_leading_shape_and_layout(kernel, request):
     # vLLM passes 2-D contiguous rows, which go to the kernels as they are;
     # other shapes and strided inputs are flattened to rows and back.
-    if not avx512_bf16:
-        request.getfixturevalue("without_avx512_bf16")
+    if not kernel:
+        request.getfixturevalue("without_int4_kernel")
     elif cpu_int4_gemm.unavailable_reason() is not None:
         pytest.skip(str(cpu_int4_gemm.unavailable_reason()))
     torch.manual_seed(0)
@@ -255,15 +250,15 @@ SWITCH = packed_max_rows(torch.bfloat16)
 
 
 @pytest.fixture
-def without_avx512_bf16(monkeypatch):
-    monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "no AVX512")
+def without_int4_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_int4_gemm, "unavailable_reason", lambda: "disabled")
 
 
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("rows", [1, 5, SWITCH, SWITCH + 1, 2 * SWITCH + 3])
-def test_without_avx512_bf16_torch_kernels_equal_dequantized_matmul(
-    without_avx512_bf16, sym, group_size, rows
+def test_without_int4_kernel_torch_kernels_equal_dequantized_matmul(
+    without_int4_kernel, sym, group_size, rows
 ):
     torch.manual_seed(0)
     packed = quantize(torch.randn(96, 256, dtype=torch.bfloat16), group_size, sym)
@@ -275,7 +270,7 @@ def test_without_avx512_bf16_torch_kernels_equal_dequantized_matmul(
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 def test_dequantizing_path_holds_the_reference_weight(
-    without_avx512_bf16, sym, group_size
+    without_int4_kernel, sym, group_size
 ):
     # The weight the GEMM path multiplies by: the reference, rounded once.
     torch.manual_seed(0)
@@ -288,7 +283,7 @@ def test_dequantizing_path_holds_the_reference_weight(
     assert torch.equal(dense, want.to(dtype).float())
 
 
-def test_compiled_linear_picks_the_path_per_call(without_avx512_bf16):
+def test_compiled_linear_picks_the_path_per_call(without_int4_kernel):
     # vLLM compiles once, with a large batch, and drops the guards (as below)
     # so that one graph serves every batch size: a one-row call must still
     # take the packed INT4 matmul.

@@ -1,9 +1,9 @@
-"""The AVX512-BF16 INT4 GEMM of `csrc/int4_gemm_cpu.cpp` and its weight layout.
+"""The INT4 GEMM of `csrc/int4_gemm_cpu.cpp` and its weight layout.
 
 It is the CPU kernel of `Int4Linear` wherever the CPU kernels run
-(`cpu_kernels`) and activations are bfloat16. On CPUs with AMX-BF16 (Intel
-from Sapphire Rapids) the same operation runs calls of `AMX_MIN_ROWS` rows
-or more on AMX tiles.
+(`cpu_kernels`: AVX512-BF16, or AVX2 with FMA, `csrc/int4_tile_avx2.h`) and
+activations are bfloat16. On CPUs with AMX-BF16 (Intel from Sapphire Rapids)
+the same operation runs calls of `AMX_MIN_ROWS` rows or more on AMX tiles.
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ def unavailable_reason() -> str | None:
     """None when `torch.ops.o3_cpu.int4_gemm` runs here, else why not."""
     global AMX_MIN_ROWS
     reason = cpu_kernels.unavailable_reason()
-    if reason is None and not torch.ops.o3_cpu.avx512_bf16_supported():
-        reason = "this CPU has no AVX512-BF16"
     if reason is None:
         # What torch.compile traces: the operation stays opaque in the graph.
         torch.library.register_fake("o3_cpu::int4_gemm")(

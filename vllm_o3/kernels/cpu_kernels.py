@@ -5,7 +5,7 @@ together on first use by torch's C++ extension builder (cached under
 They run wherever this is None: an x86 CPU with AVX512-BF16 (Intel Cooper
 Lake / Sapphire Rapids on, AMD Zen 4 on) or AVX2 with FMA (AMD Zen to Zen 3,
 Intel Haswell on), and a C++ compiler (which vLLM's compiled mode on CPU
-needs anyway); the INT4 GEMM needs AVX512-BF16 (`cpu_int4_gemm`). Elsewhere
+needs anyway). Elsewhere
 `unavailable_reason` says why, and each caller logs it and runs its PyTorch
 path. `has_fast_gemm` says whether torch's own GEMM, which the callers
 hand the rest to, is a fast one on this CPU.
@@ -50,7 +50,7 @@ def unavailable_reason() -> str | None:
 
 
 def isas() -> list[str]:
-    """The ISAs the routed FFN's kernels can run on here, best first."""
+    """The ISAs the kernels can run on here, best first."""
     if unavailable_reason() is not None:
         return []
     if torch.ops.o3_cpu.avx512_bf16_supported():
@@ -60,8 +60,8 @@ def isas() -> list[str]:
 
 @contextlib.contextmanager
 def using_isa(isa: str) -> Iterator[None]:
-    """The routed FFN's kernels on `isa` (one of `isas()`) for a while: the
-    best one is what runs; tests and benchmarks compare the others."""
+    """The kernels on `isa` (one of `isas()`) for a while: the best one is
+    what runs; tests and benchmarks compare the others."""
     best = torch.ops.o3_cpu.kernel_isa()
     torch.ops.o3_cpu.use_isa(isa)
     try:

@@ -2,10 +2,11 @@
 and batch size.
 
 CPU, measured on this project's machines (docs/bench_int4_linear.md):
-- the AVX512-BF16 INT4 GEMM of `cpu_int4_gemm`: it reads 4 bits per weight
-  and expands them in registers once per tile of rows, so it is faster than
-  a 16-bit GEMM at decode sizes; without AMX it stays about as fast as 16-bit
-  up to thousands of rows. With AMX (Intel from Sapphire Rapids) vLLM's
+- the INT4 GEMM of `cpu_int4_gemm` (AVX512-BF16, or AVX2 with FMA): it reads
+  4 bits per weight and expands them in registers once per tile of rows, so
+  it is faster than a 16-bit GEMM at decode sizes; on AVX512-BF16 without AMX
+  it stays about as fast as 16-bit up to thousands of rows, on AVX2 (where
+  oneDNN has no 16-bit GEMM) 4-5x faster than 16-bit from 16 rows. With AMX (Intel from Sapphire Rapids) vLLM's
   16-bit GEMM runs on tiles and is many times faster from a few rows: there
   the same operation runs such calls on AMX tiles too, the weight expanded
   per call a pair of 16-channel blocks at a time (`cpu_int4_gemm.AMX_MIN_ROWS`),
@@ -13,8 +14,8 @@ CPU, measured on this project's machines (docs/bench_int4_linear.md):
   of 16 M values or more has 2048 inputs or fewer) as the whole weight
   dequantized into a buffer and that 16-bit GEMM.
   Either way from the 4-bit weight alone (half a byte per weight);
-- where it cannot run (no AVX512-BF16, no compiler, activations not
-  bfloat16: logged once), torch's own packed-INT4 matmul
+- where it cannot run (neither ISA, no compiler, activations not bfloat16:
+  logged once), torch's own packed-INT4 matmul
   (`_weight_int4pack_mm_for_cpu`) up to `packed_max_rows` (fast at one row,
   but its cost grows with the rows) and above, the weight dequantized once per
   call into a buffer shared by all layers (one pass, compiled by torch) and
@@ -129,7 +130,7 @@ def int4_linear_cpu_packed(
     row_offsets: torch.Tensor,
     group_size: int,
 ) -> torch.Tensor:
-    """Where the AVX512-BF16 kernel cannot run: torch's packed INT4 matmul up
+    """Where our C++ kernel cannot run: torch's packed INT4 matmul up
     to `packed_max_rows`, dequantize + GEMM above. Chosen by the rows of each
     call, inside an operation opaque to torch.compile: traced inline, the
     choice would be fixed at the batch size vLLM compiles with."""
@@ -188,10 +189,10 @@ class Int4Linear(nn.Module):
             self.register_buffer("words", words, persistent=False)
             self.register_buffer("block_scales", block_scales, persistent=False)
             self.register_buffer("block_offsets", block_offsets, persistent=False)
-            self.forward = self._forward_avx512_bf16
+            self.forward = self._forward_kernel
             return
         logger.warning_once(
-            "o3_int4 on CPU: the AVX512-BF16 INT4 kernel is not used (%s); "
+            "o3_int4 on CPU: the C++ INT4 kernel is not used (%s); "
             "torch's packed INT4 matmul up to %d rows and dequantize + %s "
             "GEMM above run instead (docs/bench_int4_linear.md)",
             reason,
@@ -242,7 +243,7 @@ class Int4Linear(nn.Module):
     def _shaped_like(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _forward_avx512_bf16(self, x: torch.Tensor) -> torch.Tensor:
+    def _forward_kernel(self, x: torch.Tensor) -> torch.Tensor:
         y = torch.ops.o3_cpu.int4_gemm(
             self._rows_of(x),
             self.words,

@@ -1,5 +1,5 @@
 // What the other kernels of this folder need from the CPU they run on, and
-// which ISA their routed-FFN tiles use (`isa.h`).
+// which ISA they run on (`isa.h`).
 
 #include <torch/library.h>
 

@@ -26,6 +26,10 @@
 // (`PairDequantizer`, `amx_chunk_pair`), and from kDenseMinRows (but see
 // kDenseMaxValues, kDenseMinRowsUnblocked) as the whole weight dequantized
 // and torch's GEMM (docs/bench_int4_linear.md).
+//
+// On CPUs without AVX512-BF16 but with AVX2 and FMA (or where `use_isa` chose
+// AVX2), `int4_gemm_avx2` runs the same layout through the tiles of
+// `int4_tile_avx2.h`, at every row count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,6 +37,7 @@
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
+#include "isa_tiles.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -161,6 +166,13 @@ O3_AVX512_BF16 void gemm_tile(
     }
   }
 }
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace avx2 {
+#include "int4_tile_avx2.h"
+}  // namespace avx2
+#pragma GCC pop_options
 
 void gemm_rows(int64_t rows, const uint32_t* x, int64_t x_pairs, int64_t m0,
                const uint16_t* weight, const float* scales, const float* offsets,
@@ -735,6 +747,43 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
   _tile_release();
 }
 
+// `int4_gemm` on AVX2: x widened to float32 once, then as on AVX-512, rows
+// in chunks that stay in L2, threads splitting (chunk, output block) pairs.
+at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
+                          const at::Tensor& scales, const at::Tensor& offsets,
+                          int64_t n_out, int64_t groups) {
+  const int64_t rows = x.size(0), k = x.size(1);
+  const int64_t steps = weight.size(1);
+  at::Tensor y = at::empty({rows, n_out}, x.options());
+  if (rows == 0) return y;
+  at::Tensor wide = at::empty({rows, k}, x.options().dtype(at::kFloat));
+  const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  float* xf = wide.data_ptr<float>();
+  at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    avx2::widen_rows(x16, k, begin, end, xf);
+  });
+  const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
+  const float* sp = scales.data_ptr<float>();
+  const float* op = offsets.numel() > 0 ? offsets.data_ptr<float>() : nullptr;
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  constexpr int64_t tile_rows = avx2::kInt4TileRows;
+  const int64_t blocks = (n_out + kBlock - 1) / kBlock;  // the rest is padding
+  const int64_t chunk =
+      std::max(tile_rows, kChunkBytes / (k * 4) / tile_rows * tile_rows);
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c0 = item / blocks * chunk, b = item % blocks;
+      const int64_t c1 = std::min(rows, c0 + chunk);
+      for (int64_t m0 = c0; m0 < c1; m0 += tile_rows) {
+        avx2::int4_tile_of(static_cast<int>(std::min(tile_rows, c1 - m0)), xf + m0 * k, k,
+                           wp, sp, op, steps, groups, b, yp + m0 * n_out, n_out);
+      }
+    }
+  });
+  return y;
+}
+
 at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
                      const at::Tensor& scales, const at::Tensor& offsets,
                      int64_t n_out, int64_t amx_min_rows) {
@@ -742,6 +791,11 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
               "int4_gemm: x must be a contiguous 2-D bfloat16 tensor");
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t groups = check_weight("int4_gemm", weight, scales, offsets, n_out, k);
+  switch (o3_cpu::active_isa()) {
+    case o3_cpu::Isa::kAvx512Bf16: break;
+    case o3_cpu::Isa::kAvx2: return int4_gemm_avx2(x, weight, scales, offsets, n_out, groups);
+    default: TORCH_CHECK(false, "int4_gemm: this CPU has neither AVX512-BF16 nor AVX2 with FMA");
+  }
   const int64_t blocks = weight.size(0), steps = weight.size(1);
   const bool has_offsets = offsets.numel() > 0;
 
