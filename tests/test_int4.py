@@ -154,7 +154,8 @@ def test_int4_kernel_equals_dequantized_matmul(
 ):
     # Outputs not a multiple of the 64-wide tile (96, 200), row counts that
     # leave partial 4-row tiles, and 4096 inputs, where 50 rows span two of
-    # the chunks of rows the kernel keeps in cache (AVX2: 20 rows span two);
+    # the chunks of rows the kernel keeps in cache (AVX2: 20 rows span two,
+    # and 300 rows run torch's float32 GEMM on the dequantized weight);
     # with amx_min_rows 4, on a CPU with AMX, AVX-512 calls from 4 rows take
     # the AMX path: tiles of the call's rows (4, 5, 20 = 16 + 4), 32-row
     # chunks with a partial last one (50), and from 64 rows the dequantized

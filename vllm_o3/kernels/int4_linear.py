@@ -4,15 +4,18 @@ and batch size.
 CPU, measured on this project's machines (docs/bench_int4_linear.md):
 - the INT4 GEMM of `cpu_int4_gemm` (AVX512-BF16, or AVX2 with FMA): it reads
   4 bits per weight and expands them in registers once per tile of rows, so
-  it is faster than a 16-bit GEMM at decode sizes; on AVX512-BF16 without AMX
-  it stays about as fast as 16-bit up to thousands of rows, on AVX2 (where
-  oneDNN has no 16-bit GEMM) 4-5x faster than 16-bit from 16 rows. With AMX (Intel from Sapphire Rapids) vLLM's
-  16-bit GEMM runs on tiles and is many times faster from a few rows: there
-  the same operation runs such calls on AMX tiles too, the weight expanded
-  per call a pair of 16-channel blocks at a time (`cpu_int4_gemm.AMX_MIN_ROWS`),
-  and calls of 1536 rows or more (640 over 2048 inputs; none where a weight
-  of 16 M values or more has 2048 inputs or fewer) as the whole weight
-  dequantized into a buffer and that 16-bit GEMM.
+  it is faster than a 16-bit GEMM at decode sizes. On AVX512-BF16 without
+  AMX it stays about as fast as 16-bit up to thousands of rows. On AVX2,
+  where oneDNN has no 16-bit GEMM and vLLM's 16-bit linears run torch's
+  plain loop, it is several times faster than those, and from 192 rows it
+  dequantizes the weight into float32 for torch's float32 GEMM. With AMX
+  (Intel from Sapphire Rapids) vLLM's 16-bit GEMM runs on tiles and is many
+  times faster from a few rows: there the same operation runs such calls on
+  AMX tiles too, the weight expanded per call a pair of 16-channel blocks at
+  a time (`cpu_int4_gemm.AMX_MIN_ROWS`), and calls of 1536 rows or more (640
+  over 2048 inputs; none where a weight of 16 M values or more has 2048
+  inputs or fewer) as the whole weight dequantized into a buffer and that
+  16-bit GEMM.
   Either way from the 4-bit weight alone (half a byte per weight);
 - where it cannot run (neither ISA, no compiler, activations not bfloat16:
   logged once), torch's own packed-INT4 matmul

@@ -29,7 +29,8 @@
 //
 // On CPUs without AVX512-BF16 but with AVX2 and FMA (or where `use_isa` chose
 // AVX2), `int4_gemm_avx2` runs the same layout through the tiles of
-// `int4_tile_avx2.h`, at every row count.
+// `int4_tile_avx2.h`, and from kAvx2DenseMinRows rows as the weight
+// dequantized into float32 and torch's float32 GEMM.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -325,27 +326,30 @@ O3_AVX512_BF16 void dequantize_block(const uint16_t* weight, const float* scales
   dequantize_steps(weight, scales, offsets, b, steps, groups, to_rows);
 }
 
-// y = x @ dense^T for calls of thousands of rows: the whole weight
-// dequantized into a buffer this thread keeps (the largest weight it has run
-// so far; layers run one after another), then torch's 16-bit GEMM, whose
-// blocking beats `amx_pairs` once the dequantization is spread over that
-// many rows.
+// y = x @ dense^T for calls of thousands of rows (AVX2: hundreds): the
+// whole weight dequantized block by block by `dequantize` into a buffer of
+// `dtype` this thread keeps (the largest weight it has run so far; layers run
+// one after another), then torch's GEMM in that dtype, whose blocking beats
+// `amx_pairs` (AVX2: `int4_tile`) once the dequantization is spread over
+// that many rows. bfloat16 on AMX; float32 on AVX2, where torch's bfloat16
+// GEMM is a plain loop.
+template <typename T, typename Dequantize>
 at::Tensor dense_gemm(const at::Tensor& x, const at::Tensor& weight,
                       const at::Tensor& scales, const at::Tensor& offsets,
-                      int64_t n_out) {
+                      int64_t n_out, at::ScalarType dtype, Dequantize dequantize) {
   const int64_t k = x.size(1), steps = weight.size(1), groups = scales.size(1);
-  thread_local at::Tensor buffer;
+  thread_local at::Tensor buffer;  // one per T
   if (!buffer.defined() || buffer.numel() < n_out * k)
-    buffer = at::empty({n_out * k}, x.options());
+    buffer = at::empty({n_out * k}, x.options().dtype(dtype));
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.numel() > 0 ? offsets.data_ptr<float>() : nullptr;
-  auto* dp = reinterpret_cast<uint16_t*>(buffer.data_ptr());
+  auto* dp = reinterpret_cast<T*>(buffer.data_ptr());
   at::parallel_for(0, (n_out + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      dequantize_block(wp, sp, op, b, steps, groups, n_out, dp);
+    for (int64_t b = begin; b < end; ++b) dequantize(wp, sp, op, b, steps, groups, n_out, dp);
   });
-  return at::linear(x, buffer.narrow(0, 0, n_out * k).view({n_out, k}));
+  const at::Tensor dense = buffer.narrow(0, 0, n_out * k).view({n_out, k});
+  return at::linear(x.to(dtype), dense).to(x.scalar_type());
 }
 
 // AMX: tiles 0-1 hold 32 rows of x (16 each, 32 inputs), 2-3 two blocks of
@@ -747,6 +751,11 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
   _tile_release();
 }
 
+// From these rows `int4_gemm_avx2` dequantizes the whole weight for torch's
+// float32 GEMM: between 129 and 256 rows it overtook the tiles on the FFN
+// shapes of the 1b and 135m presets (docs/bench_int4_linear.md).
+constexpr int64_t kAvx2DenseMinRows = 192;
+
 // `int4_gemm` on AVX2: x widened to float32 once, then as on AVX-512, rows
 // in chunks that stay in L2, threads splitting (chunk, output block) pairs.
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
@@ -754,6 +763,9 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
                           int64_t n_out, int64_t groups) {
   const int64_t rows = x.size(0), k = x.size(1);
   const int64_t steps = weight.size(1);
+  if (rows >= kAvx2DenseMinRows)
+    return dense_gemm<float>(x, weight, scales, offsets, n_out, at::kFloat,
+                             avx2::dequantize_block);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
   at::Tensor wide = at::empty({rows, k}, x.options().dtype(at::kFloat));
@@ -805,7 +817,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   const bool dense = blockable(k) ? rows >= kDenseMinRows && n_out * k < kDenseMaxValues
                                   : rows >= kDenseMinRowsUnblocked;
   if (amx && dense)
-    return dense_gemm(x, weight, scales, offsets, n_out);
+    return dense_gemm<uint16_t>(x, weight, scales, offsets, n_out, at::kBFloat16,
+                                dequantize_block);
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());

@@ -6,7 +6,8 @@
 // product, the weight is dequantized in registers, once per tile, into
 // float32 (exact: a 4-bit value times a bfloat16 scale) and multiplied with
 // float32 inputs, which leaves no per-group sums of x and no second set of
-// accumulators to hold.
+// accumulators to hold. Calls of many rows dequantize the whole weight into
+// float32 once instead (`dequantize_block`) for torch's float32 GEMM.
 
 constexpr int kInt4TileRows = 4;
 
@@ -23,10 +24,36 @@ inline void expand_nibbles(__m256i words, int j, __m256& first, __m256& second) 
       _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 4 * j), nibble), bias));
 }
 
+// Per group, the weight is w = (128 + q) * scale - (128 + zero) * scale:
+// both terms and the difference exact in float32, the reference's
+// dequantized weight. The group's scales and minus its shifts for the 8
+// output channels of block b from `half` * 8.
+inline void group_params(const float* scales, const float* offsets, int64_t b, int64_t groups,
+                         int64_t g, int half, __m256& scale, __m256& minus_shift) {
+  const int64_t at = (b * groups + g) * kLanes + half * 8;
+  scale = _mm256_loadu_ps(scales + at);
+  minus_shift = _mm256_mul_ps(scale, _mm256_set1_ps(-136.0f));  // zero 8
+  if (offsets != nullptr)  // (zero - 8) * scale
+    minus_shift = _mm256_sub_ps(minus_shift, _mm256_loadu_ps(offsets + at));
+}
+
+// Inputs 2 j and 2 j + 1 of 8 channels, dequantized.
+inline void dequantize_nibbles(__m256i words, int j, __m256 scale, __m256 minus_shift,
+                               __m256 pair[2]) {
+  expand_nibbles(words, j, pair[0], pair[1]);
+  for (int i = 0; i < 2; ++i) pair[i] = _mm256_fmadd_ps(pair[i], scale, minus_shift);
+}
+
+inline __m256i load_half_step(const uint16_t* weight, int64_t b, int64_t steps, int64_t s,
+                              int half) {
+  const uint16_t* words = weight + (b * steps + s) * 32;
+  if (half == 0)
+    _mm_prefetch(reinterpret_cast<const char*>(words + kPrefetchSteps * 32), _MM_HINT_T0);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + half * 16));
+}
+
 // y[m, c] for ROWS rows of float32 x (row stride k) and the 8 output channels
-// of block b from `half` * 8, rounded to bfloat16 once. Per group, w =
-// (128 + q) * scale - (128 + zero) * scale: both terms and the difference
-// exact in float32, the reference's dequantized weight. Half a block at a
+// of block b from `half` * 8, rounded to bfloat16 once. Half a block at a
 // time keeps the tile in 16 registers: an accumulator per row, per input of
 // a pair and (at 1 or 2 rows) per parity of j, so that 4 to 8 FMA chains
 // hide the FMA latency.
@@ -41,22 +68,15 @@ void int4_tile(const float* x, int64_t k, const uint16_t* weight, const float* s
     for (auto& split : row)
       for (auto& a : split) a = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t at = (b * groups + g) * kLanes + half * 8;
-    const __m256 scale = _mm256_loadu_ps(scales + at);
-    __m256 minus_shift = _mm256_mul_ps(scale, _mm256_set1_ps(-136.0f));  // zero 8
-    if (offsets != nullptr)  // (zero - 8) * scale
-      minus_shift = _mm256_sub_ps(minus_shift, _mm256_loadu_ps(offsets + at));
+    __m256 scale, minus_shift;
+    group_params(scales, offsets, b, groups, g, half, scale, minus_shift);
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
-      const uint16_t* words = weight + (b * steps + s) * 32;
-      if (half == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(words + kPrefetchSteps * 32), _MM_HINT_T0);
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + half * 16));
+      const __m256i w = load_half_step(weight, b, steps, s, half);
       const float* xs = x + s * kStep;
       for (int j = 0; j < 4; ++j) {
         __m256 pair[2];
-        expand_nibbles(w, j, pair[0], pair[1]);
+        dequantize_nibbles(w, j, scale, minus_shift, pair);
         for (int i = 0; i < 2; ++i) {
-          pair[i] = _mm256_fmadd_ps(pair[i], scale, minus_shift);
           for (int m = 0; m < ROWS; ++m) {
             __m256& a = acc[m][j % kSplit][i];
             a = _mm256_fmadd_ps(pair[i], _mm256_broadcast_ss(xs + m * k + 2 * j + i), a);
@@ -85,6 +105,34 @@ void int4_tile_of(int rows, const float* x, int64_t k, const uint16_t* weight,
       case 2: int4_tile<2>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
       case 3: int4_tile<3>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
       default: int4_tile<4>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
+    }
+  }
+}
+
+// Output block b of the weight dequantized (as `int4_tile` does in
+// registers) into rows of float32 dense [n_out, k].
+void dequantize_block(const uint16_t* weight, const float* scales, const float* offsets,
+                      int64_t b, int64_t steps, int64_t groups, int64_t n_out, float* dense) {
+  const int64_t k = steps * kStep, steps_per_group = steps / groups;
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c0 = b * kLanes + half * 8;
+    if (c0 >= n_out) return;
+    const int64_t channels = std::min<int64_t>(8, n_out - c0);
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 scale, minus_shift;
+      group_params(scales, offsets, b, groups, g, half, scale, minus_shift);
+      for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
+        const __m256i w = load_half_step(weight, b, steps, s, half);
+        alignas(32) float values[kStep][8];  // [input][channel]
+        for (int j = 0; j < 4; ++j) {
+          __m256 pair[2];
+          dequantize_nibbles(w, j, scale, minus_shift, pair);
+          _mm256_store_ps(values[2 * j], pair[0]);
+          _mm256_store_ps(values[2 * j + 1], pair[1]);
+        }
+        for (int64_t c = 0; c < channels; ++c)
+          for (int64_t i = 0; i < kStep; ++i) dense[(c0 + c) * k + s * kStep + i] = values[i][c];
+      }
     }
   }
 }
