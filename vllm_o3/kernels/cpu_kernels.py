@@ -5,10 +5,9 @@ together on first use by torch's C++ extension builder (cached under
 They run wherever this is None: an x86 CPU with AVX512-BF16 (Intel Cooper
 Lake / Sapphire Rapids on, AMD Zen 4 on) or AVX2 with FMA (AMD Zen to Zen 3,
 Intel Haswell on), and a C++ compiler (which vLLM's compiled mode on CPU
-needs anyway). Elsewhere
-`unavailable_reason` says why, and each caller logs it and runs its PyTorch
-path. `has_fast_gemm` says whether torch's own GEMM, which the callers
-hand the rest to, is a fast one on this CPU.
+needs anyway). Elsewhere `unavailable_reason` says why, and each caller logs
+it and runs its PyTorch path. `has_fast_gemm` says whether torch's own GEMM,
+which the callers hand the rest to, is a fast one on this CPU.
 """
 
 from __future__ import annotations

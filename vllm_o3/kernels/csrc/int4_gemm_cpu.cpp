@@ -38,7 +38,7 @@
 #include <torch/library.h>
 
 #include "avx512_bf16.h"
-#include "isa_tiles.h"
+#include "isa.h"
 
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -171,6 +171,7 @@ O3_AVX512_BF16 void gemm_tile(
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 namespace avx2 {
+#include "vec16_avx2.h"
 #include "int4_tile_avx2.h"
 }  // namespace avx2
 #pragma GCC pop_options

@@ -1,7 +1,7 @@
 // The INT4 GEMM's tile on AVX2 with FMA (x86 CPUs without AVX512-BF16): the
 // counterpart of `gemm_tile` in int4_gemm_cpu.cpp, on the same weight layout,
 // included there inside namespace `avx2` and its target region, after
-// `isa_tiles.h` (for `Vec16`). With 16 registers, not 32, a tile is half a
+// `vec16_avx2.h` (for `Vec16`). With 16 registers, not 32, a tile is half a
 // block (8 outputs) by up to 4 rows; and there being no bfloat16 dot
 // product, the weight is dequantized in registers, once per tile, into
 // float32 (exact: a 4-bit value times a bfloat16 scale) and multiplied with
@@ -30,7 +30,7 @@ inline void expand_nibbles(__m256i words, int j, __m256& first, __m256& second) 
 // output channels of block b from `half` * 8.
 inline void group_params(const float* scales, const float* offsets, int64_t b, int64_t groups,
                          int64_t g, int half, __m256& scale, __m256& minus_shift) {
-  const int64_t at = (b * groups + g) * kLanes + half * 8;
+  const int64_t at = (b * groups + g) * kBlock + half * 8;
   scale = _mm256_loadu_ps(scales + at);
   minus_shift = _mm256_mul_ps(scale, _mm256_set1_ps(-136.0f));  // zero 8
   if (offsets != nullptr)  // (zero - 8) * scale
@@ -61,6 +61,8 @@ template <int ROWS>
 void int4_tile(const float* x, int64_t k, const uint16_t* weight, const float* scales,
                const float* offsets, int64_t steps, int64_t groups, int64_t b, int half,
                uint16_t* y, int64_t n_out) {
+  const int64_t n = b * kBlock + half * 8;
+  if (n >= n_out) return;  // padding
   constexpr int kSplit = ROWS <= 2 ? 2 : 1;
   const int64_t steps_per_group = steps / groups;
   __m256 acc[ROWS][kSplit][2];
@@ -85,8 +87,6 @@ void int4_tile(const float* x, int64_t k, const uint16_t* weight, const float* s
       }
     }
   }
-  const int64_t n = b * kLanes + half * 8;
-  if (n >= n_out) return;
   for (int m = 0; m < ROWS; ++m) {
     __m256 sum = _mm256_setzero_ps();
     for (const auto& split : acc[m]) sum = _mm256_add_ps(sum, _mm256_add_ps(split[0], split[1]));
@@ -115,7 +115,7 @@ void dequantize_block(const uint16_t* weight, const float* scales, const float* 
                       int64_t b, int64_t steps, int64_t groups, int64_t n_out, float* dense) {
   const int64_t k = steps * kStep, steps_per_group = steps / groups;
   for (int half = 0; half < 2; ++half) {
-    const int64_t c0 = b * kLanes + half * 8;
+    const int64_t c0 = b * kBlock + half * 8;
     if (c0 >= n_out) return;
     const int64_t channels = std::min<int64_t>(8, n_out - c0);
     for (int64_t g = 0; g < groups; ++g) {
