@@ -15,6 +15,7 @@ CPU of this process: vLLM's automatic binding keeps one core for its front
 end, which on a two-core machine halves the model's compute.
 
     python -m benchmarks.e2e_speed MODEL --compare routing|int4 [--modes compiled eager]
+        [--metrics prefill decode_b1 decode_b16]
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ class Engine:
     """One LLM plus the measurements, each with its heavy fraction."""
 
     def __init__(self, model: str, options: dict, eager: bool, prefills: int):
+        """`prefills`: how many prefill calls to hold text for (0: none, and
+        batches of up to 1024 tokens, which start the engine faster)."""
         from vllm import LLM
 
         self.llm = LLM(
@@ -70,11 +73,15 @@ class Engine:
             enable_prefix_caching=False,  # every repeat computes its prompt
             max_model_len=1024,
             max_num_seqs=16,
-            max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN,
+            max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN if prefills else 1024,
             seed=0,
         )
         tokenizer = self.llm.get_tokenizer()
-        windows = text_windows(tokenizer, PREFILL_PROMPTS * prefills, PREFILL_LEN)
+        windows = (
+            text_windows(tokenizer, PREFILL_PROMPTS * prefills, PREFILL_LEN)
+            if prefills
+            else []
+        )
         # One batch per prefill call, in turn: each call routes new text.
         self.prefill_batches = itertools.cycle(
             windows[i : i + PREFILL_PROMPTS]
@@ -124,7 +131,9 @@ METRICS = {
 }
 
 
-def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
+def measure(
+    model: str, variants: list, eager: bool, repeats: int, metrics: list[str]
+) -> dict:
     """Per variant label: {metric: (each repeat's tokens/s, median heavy
     fraction)} and "weights". The variants' engines run side by
     side, their repeats interleaved, so that a drift of the machine's speed
@@ -135,22 +144,23 @@ def measure(model: str, variants: list, eager: bool, repeats: int) -> dict:
     engines: dict[str, Engine] = {}
     try:
         for label, options in variants:
-            engines[label] = Engine(model, options, eager, 1 + repeats)
-            for run in METRICS.values():  # warm-up
-                run(engines[label])
-        samples = {(label, metric): [] for label in engines for metric in METRICS}
+            prefills = 1 + repeats if "prefill" in metrics else 0
+            engines[label] = Engine(model, options, eager, prefills)
+            for metric in metrics:  # warm-up
+                METRICS[metric](engines[label])
+        samples = {(label, metric): [] for label in engines for metric in metrics}
         order = list(engines.items())
         for _ in range(repeats):
-            for metric, run in METRICS.items():
+            for metric in metrics:
                 for label, engine in order:
-                    samples[label, metric].append(run(engine))
+                    samples[label, metric].append(METRICS[metric](engine))
             order.reverse()
         results = {}
         for label, engine in engines.items():
             results[label] = {
                 "weights": (engine.llm.apply_model(weight_bytes)[0], None)
             }
-            for metric in METRICS:
+            for metric in metrics:
                 runs = samples[label, metric]
                 results[label][metric] = (
                     [s[0] for s in runs],
@@ -172,13 +182,20 @@ def main() -> None:
     parser.add_argument("--compare", choices=sorted(VARIANTS), required=True)
     parser.add_argument("--modes", nargs="+", default=["compiled", "eager"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--metrics",
+        nargs="+",
+        choices=list(METRICS),
+        default=list(METRICS),
+        help="a subset, e.g. decode alone where a CPU's prefill takes minutes",
+    )
     parser.add_argument("--report", default=None, help="docs/ file name")
     args = parser.parse_args()
     variants = VARIANTS[args.compare]
     results = {}
     for mode in tqdm(args.modes, desc="modes"):
         for label, measured in measure(
-            args.model, variants, mode == "eager", args.repeats
+            args.model, variants, mode == "eager", args.repeats, args.metrics
         ).items():
             results[mode, label] = measured
     baseline = variants[-1][0]
@@ -187,7 +204,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     for mode in args.modes:
-        for metric in METRICS:
+        for metric in args.metrics:
             base = results[mode, baseline][metric][0]
             for label, _ in variants:
                 speeds, heavy = results[mode, label][metric]
@@ -202,9 +219,14 @@ def main() -> None:
         f"- {label}: {results[args.modes[0], label]['weights'][0] / 2**20:.0f} MiB"
         for label, _ in variants
     )
+    prefill = (
+        f"Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} tokens of text, other "
+        "text each repeat. "
+        if "prefill" in args.metrics
+        else ""
+    )
     body = (
-        f"Model: `{args.model}`. Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} "
-        "tokens of text, other text each repeat. Decode: prompts of "
+        f"Model: `{args.model}`. {prefill}Decode: prompts of "
         f"{DECODE_PROMPT_LEN} tokens, "
         f"{DECODE_TOKENS} greedy tokens, prefill time subtracted. Prefix caching "
         f"off; a warm-up of each metric, then medians of {args.repeats} repeats "
