@@ -752,6 +752,29 @@ O3_AMX void amx_pairs(int64_t begin, int64_t end, const ATiles& x, int64_t rows,
   _tile_release();
 }
 
+// run(m0, tile_rows, unit) over `rows` rows of `row_bytes` each, in chunks
+// of rows that stay in L2 (kChunkBytes), each chunk through every output
+// unit in tiles of up to `max_tile_rows` rows. Work items (row chunk, output
+// unit), chunk-major, split evenly between threads: a thread reads each
+// unit's weight once per chunk it runs, as many bytes as splitting the units
+// alone would, and an odd number of units (e.g. 9 tiles for 576 outputs) no
+// longer leaves a thread idle for one.
+template <typename Run>
+void for_each_tile(int64_t rows, int64_t row_bytes, int64_t max_tile_rows, int64_t units,
+                   const Run& run) {
+  const int64_t chunk =
+      std::max(max_tile_rows, kChunkBytes / row_bytes / max_tile_rows * max_tile_rows);
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  at::parallel_for(0, chunks * units, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t c0 = item / units * chunk, unit = item % units;
+      const int64_t c1 = std::min(rows, c0 + chunk);
+      for (int64_t m0 = c0; m0 < c1; m0 += max_tile_rows)
+        run(m0, std::min(max_tile_rows, c1 - m0), unit);
+    }
+  });
+}
+
 // From these rows `int4_gemm_avx2` dequantizes the whole weight for torch's
 // float32 GEMM: between 129 and 256 rows it overtook the tiles on the FFN
 // shapes of the 1b and 135m presets (docs/bench_int4_linear.md).
@@ -779,21 +802,12 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
   const float* sp = scales.data_ptr<float>();
   const float* op = offsets.numel() > 0 ? offsets.data_ptr<float>() : nullptr;
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  constexpr int64_t tile_rows = avx2::kInt4TileRows;
   const int64_t blocks = (n_out + kBlock - 1) / kBlock;  // the rest is padding
-  const int64_t chunk =
-      std::max(tile_rows, kChunkBytes / (k * 4) / tile_rows * tile_rows);
-  const int64_t chunks = (rows + chunk - 1) / chunk;
-  at::parallel_for(0, chunks * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c0 = item / blocks * chunk, b = item % blocks;
-      const int64_t c1 = std::min(rows, c0 + chunk);
-      for (int64_t m0 = c0; m0 < c1; m0 += tile_rows) {
-        avx2::int4_tile_of(static_cast<int>(std::min(tile_rows, c1 - m0)), xf + m0 * k, k,
-                           wp, sp, op, steps, groups, b, yp + m0 * n_out, n_out);
-      }
-    }
-  });
+  for_each_tile(rows, k * 4, avx2::kInt4TileRows, blocks,
+                [&](int64_t m0, int64_t tile_rows, int64_t b) {
+                  avx2::int4_tile_of(static_cast<int>(tile_rows), xf + m0 * k, k, wp, sp, op,
+                                     steps, groups, b, yp + m0 * n_out, n_out);
+                });
   return y;
 }
 
@@ -847,25 +861,11 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& weight,
   }
   // Pairs of bfloat16 inputs, as the dot products take them.
   const auto* xp = reinterpret_cast<const uint32_t*>(x16);
-  const int64_t tiles = blocks / kBlocksPerTile;
-  const int64_t chunk = std::max(
-      kMaxRowsPerTile,
-      kChunkBytes / (k * 2) / kMaxRowsPerTile * kMaxRowsPerTile);
-  const int64_t chunks = (rows + chunk - 1) / chunk;
-  // Work items (row chunk, output tile), chunk-major, split evenly between
-  // threads: a thread reads each tile's weight once per chunk it runs, as
-  // many bytes as splitting the tiles alone would, and an odd number of
-  // tiles (e.g. 9 for 576 outputs) no longer leaves a thread idle for one.
-  at::parallel_for(0, chunks * tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t c0 = item / tiles * chunk, t = item % tiles;
-      const int64_t c1 = std::min(rows, c0 + chunk);
-      for (int64_t m0 = c0; m0 < c1; m0 += kMaxRowsPerTile) {
-        gemm_rows(std::min(kMaxRowsPerTile, c1 - m0), xp, k / 2, m0, wp, sp, op, xs,
-                  steps, groups, t * kBlocksPerTile, yp, n_out);
-      }
-    }
-  });
+  for_each_tile(rows, k * 2, kMaxRowsPerTile, blocks / kBlocksPerTile,
+                [&](int64_t m0, int64_t tile_rows, int64_t t) {
+                  gemm_rows(tile_rows, xp, k / 2, m0, wp, sp, op, xs, steps, groups,
+                            t * kBlocksPerTile, yp, n_out);
+                });
   return y;
 }
 
