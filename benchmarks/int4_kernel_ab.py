@@ -12,9 +12,9 @@ share `int4_gemm`'s signature and weight layout (`pack_for_gemm`); a row
 whose outputs differ between the two says so. On CPUs without AVX512-BF16
 the base must have the AVX2 build (0a6201e on): older ones run AVX-512
 code. `--ffn` times each preset's whole FFN instead (gate_up, vLLM's
-`SiluAndMul`, down): a kernel change that
-only moves cost onto the next operation (how it leaves y in the caches)
-shows there and not on one linear.
+`SiluAndMul`, down): a kernel change that only moves cost onto the next
+operation (how it leaves y in the caches) shows there and not on one
+linear.
 
     python -m benchmarks.int4_kernel_ab --base HEAD~1 [--rows 64,512] [--repeats 9] [--ffn]
 """
