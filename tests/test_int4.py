@@ -142,6 +142,20 @@ def test_kernel_is_exact_to_rounding_for_inputs_far_from_zero(isa, sym, rows):
     assert error < 3e-3
 
 
+@pytest.mark.parametrize("rows", [1, 3, 300])
+@pytest.mark.parametrize("power", [-90, 60])
+def test_kernel_output_scales_exactly_with_its_input(isa, rows, power):
+    # Every product and sum scales by the same power of two, unless some
+    # step leaves float32's normal range: the AVX2 tiles multiply inputs by
+    # down to 2^-24 (`kInputScale`), and x * 2^-90 must still come out
+    # exactly as x's result times 2^-90 (as must 300 rows, the float32 GEMM).
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(96, 512, dtype=torch.bfloat16), 128, False)
+    linear = Int4Linear(packed, torch.bfloat16)
+    x = torch.randn(rows, 512, dtype=torch.bfloat16)
+    assert torch.equal(linear(x * 2.0**power), linear(x) * 2.0**power)
+
+
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("group_size", [32, 128])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 20, 50, 70, 300])

@@ -47,6 +47,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -780,8 +781,9 @@ void for_each_tile(int64_t rows, int64_t row_bytes, int64_t max_tile_rows, int64
 // shapes of the 1b and 135m presets (docs/bench_int4_linear.md).
 constexpr int64_t kAvx2DenseMinRows = 192;
 
-// `int4_gemm` on AVX2: x widened to float32 once, then as on AVX-512, rows
-// in chunks that stay in L2, threads splitting (chunk, output block) pairs.
+// `int4_gemm` on AVX2: x widened to float32 (with its group sums) once, then
+// as on AVX-512, rows in chunks that stay in L2, threads splitting (chunk,
+// output block) pairs.
 at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
                           const at::Tensor& scales, const at::Tensor& offsets,
                           int64_t n_out, int64_t groups) {
@@ -793,10 +795,12 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor y = at::empty({rows, n_out}, x.options());
   if (rows == 0) return y;
   at::Tensor wide = at::empty({rows, k}, x.options().dtype(at::kFloat));
+  at::Tensor sums = at::empty({rows, groups}, x.options().dtype(at::kFloat));
   const auto* x16 = reinterpret_cast<const uint16_t*>(x.data_ptr());
   float* xf = wide.data_ptr<float>();
+  float* xs = sums.data_ptr<float>();
   at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
-    avx2::widen_rows(x16, k, begin, end, xf);
+    avx2::widen_rows(x16, k, groups, begin, end, xf, xs);
   });
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   const float* sp = scales.data_ptr<float>();
@@ -805,8 +809,9 @@ at::Tensor int4_gemm_avx2(const at::Tensor& x, const at::Tensor& weight,
   const int64_t blocks = (n_out + kBlock - 1) / kBlock;  // the rest is padding
   for_each_tile(rows, k * 4, avx2::kInt4TileRows, blocks,
                 [&](int64_t m0, int64_t tile_rows, int64_t b) {
-                  avx2::int4_tile_of(static_cast<int>(tile_rows), xf + m0 * k, k, wp, sp, op,
-                                     steps, groups, b, yp + m0 * n_out, n_out);
+                  avx2::int4_tile_of(static_cast<int>(tile_rows), xf + m0 * k,
+                                     xs + m0 * groups, k, wp, sp, op, steps, groups, b,
+                                     yp + m0 * n_out, n_out);
                 });
   return y;
 }

@@ -2,46 +2,47 @@
 // counterpart of `gemm_tile` in int4_gemm_cpu.cpp, on the same weight layout,
 // included there inside namespace `avx2` and its target region, after
 // `vec16_avx2.h` (for `Vec16`). With 16 registers, not 32, a tile is half a
-// block (8 outputs) by up to 4 rows; and there being no bfloat16 dot
-// product, the weight is dequantized in registers, once per tile, into
-// float32 (exact: a 4-bit value times a bfloat16 scale) and multiplied with
-// float32 inputs, which leaves no per-group sums of x and no second set of
-// accumulators to hold. Calls of many rows dequantize the whole weight into
-// float32 once instead (`dequantize_block`) for torch's float32 GEMM.
+// block (8 outputs) by up to 4 rows; there being no bfloat16 dot product,
+// the 4-bit values are converted to float32 and multiplied with float32
+// inputs, and per group the tile takes the zero point off with the group
+// sums of x, as the AVX-512 path does. Calls of many rows dequantize the
+// whole weight into float32 once instead (`dequantize_block`) for torch's
+// float32 GEMM.
 
 constexpr int kInt4TileRows = 4;
 
-// 128 + q as float32 for nibble j of each 16-bit word of `words` (8 channels,
-// one 32-bit pair each): `first` from the pair's low word (input 2 j),
-// `second` from its high word (input 2 j + 1). q lands in the mantissa of
-// 128.0f at bit 16, whose place value is 1.
-inline void expand_nibbles(__m256i words, int j, __m256& first, __m256& second) {
-  const __m256i nibble = _mm256_set1_epi32(0x000F0000);
-  const __m256i bias = _mm256_set1_epi32(0x43000000);  // 128.0f
-  first = _mm256_castsi256_ps(
-      _mm256_or_si256(_mm256_and_si256(_mm256_slli_epi32(words, 16 - 4 * j), nibble), bias));
-  second = _mm256_castsi256_ps(
-      _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(words, 4 * j), nibble), bias));
+// The 4-bit values q of nibble j of the 8 channels' pairs in `words`, as
+// they sit: the pair's low word (input 2 j) masked in place is
+// q * 2^(4 j), its high word (input 2 j + 1) q * 2^(16 + 4 j), both exact
+// in float32 after the integer conversion (the last nibble, whose place is
+// the sign bit, is shifted down instead: q * 2^0). One AND (or shift) and
+// one conversion a value, where shifting each nibble to a common place
+// first took one operation more; what multiplies them carries the inverse
+// power of two instead (`kInputScale`).
+inline void masked_nibbles(__m256i words, int j, __m256& first, __m256& second) {
+  first = _mm256_cvtepi32_ps(_mm256_and_si256(words, _mm256_set1_epi32(0xF << (4 * j))));
+  second = _mm256_cvtepi32_ps(
+      j == 3 ? _mm256_srli_epi32(words, 28)
+             : _mm256_and_si256(words, _mm256_set1_epi32(0xF << (16 + 4 * j))));
 }
 
-// Per group, the weight is w = (128 + q) * scale - (128 + zero) * scale:
-// both terms and the difference exact in float32, the reference's
-// dequantized weight. The group's scales and minus its shifts for the 8
+// The power of two by which input 2 j + i of each step is multiplied
+// (inputs, widened once per call, and the scales of `dequantize_block`), so
+// that its product with `masked_nibbles`' value is exact: inputs or scales
+// below 2^-102 in magnitude, far below any activation or weight, would lose
+// bits as float32 subnormals.
+constexpr float kInputScale[kStep] = {1.0f,    0x1p-16f, 0x1p-4f,  0x1p-20f,
+                                      0x1p-8f, 0x1p-24f, 0x1p-12f, 1.0f};
+
+// The group's scales, and minus its zero points times them, for the 8
 // output channels of block b from `half` * 8.
 inline void group_params(const float* scales, const float* offsets, int64_t b, int64_t groups,
                          int64_t g, int half, __m256& scale, __m256& minus_shift) {
   const int64_t at = (b * groups + g) * kBlock + half * 8;
   scale = _mm256_loadu_ps(scales + at);
-  minus_shift = _mm256_mul_ps(scale, _mm256_set1_ps(-136.0f));  // zero 8
+  minus_shift = _mm256_mul_ps(scale, _mm256_set1_ps(-8.0f));  // zero 8
   if (offsets != nullptr)  // (zero - 8) * scale
     minus_shift = _mm256_sub_ps(minus_shift, _mm256_loadu_ps(offsets + at));
-}
-
-// Inputs 2 j and 2 j + 1 of 8 channels, dequantized.
-inline void dequantize_nibbles(__m256i words, int j, __m256 scale, __m256 minus_shift,
-                               __m256 pair[2]) {
-  expand_nibbles(words, j, pair[0], pair[1]);
-  for (int i = 0; i < 2; ++i) pair[i] = _mm256_fmadd_ps(pair[i], scale, minus_shift);
 }
 
 inline __m256i load_half_step(const uint16_t* weight, int64_t b, int64_t steps, int64_t s,
@@ -52,65 +53,93 @@ inline __m256i load_half_step(const uint16_t* weight, int64_t b, int64_t steps, 
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + half * 16));
 }
 
-// y[m, c] for ROWS rows of float32 x (row stride k) and the 8 output channels
-// of block b from `half` * 8, rounded to bfloat16 once. Half a block at a
-// time keeps the tile in 16 registers: an accumulator per row, per input of
-// a pair and (at 1 or 2 rows) per parity of j, so that 4 to 8 FMA chains
-// hide the FMA latency.
+// y[m, c] for ROWS rows of scaled float32 x (row stride k; `x_sums`: the
+// rows' group sums of the unscaled x, row stride `groups`) and the 8 output
+// channels of block b from `half` * 8, rounded to bfloat16 once. Per group
+// the tile sums q * x on the 4-bit values as they are, and adds
+// scale * sum(q x) - zero * scale * sum(x): the weight is never dequantized,
+// which leaves per 4-bit value an AND and a conversion, shared by the rows,
+// and an FMA a row. Half a block at a time keeps the tile in
+// 16 registers: a group accumulator per row, per input of a pair and (at 1
+// or 2 rows) per j modulo kSplit, so that 6 to 8 FMA chains hide the FMA
+// latency.
 template <int ROWS>
-void int4_tile(const float* x, int64_t k, const uint16_t* weight, const float* scales,
-               const float* offsets, int64_t steps, int64_t groups, int64_t b, int half,
-               uint16_t* y, int64_t n_out) {
+void int4_tile(const float* x, const float* x_sums, int64_t k, const uint16_t* weight,
+               const float* scales, const float* offsets, int64_t steps, int64_t groups,
+               int64_t b, int half, uint16_t* y, int64_t n_out) {
   const int64_t n = b * kBlock + half * 8;
   if (n >= n_out) return;  // padding
-  constexpr int kSplit = ROWS <= 2 ? 2 : 1;
+  constexpr int kSplit = ROWS <= 2 ? 4 / ROWS : 1;
   const int64_t steps_per_group = steps / groups;
-  __m256 acc[ROWS][kSplit][2];
-  for (auto& row : acc)
-    for (auto& split : row)
-      for (auto& a : split) a = _mm256_setzero_ps();
+  __m256 total[ROWS];
+  for (auto& t : total) t = _mm256_setzero_ps();
+  // A pointer a row, moved a step at a time: indexed from x alone, the
+  // compiler kept an address for each row and input of a step, more than the
+  // registers hold.
+  const float* xs[ROWS];
+  for (int m = 0; m < ROWS; ++m) xs[m] = x + m * k;
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 scale, minus_shift;
-    group_params(scales, offsets, b, groups, g, half, scale, minus_shift);
+    __m256 part[ROWS][kSplit][2];
+    for (auto& row : part)
+      for (auto& split : row)
+        for (auto& a : split) a = _mm256_setzero_ps();
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
       const __m256i w = load_half_step(weight, b, steps, s, half);
-      const float* xs = x + s * kStep;
+      // Unrolled early, for GCC's scalar replacement of the accumulators: by
+      // itself it unrolled these loops too late at one row, and kept that
+      // tile's accumulators in memory, stored every step (1.4x the time).
+#pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m256 pair[2];
-        dequantize_nibbles(w, j, scale, minus_shift, pair);
+        masked_nibbles(w, j, pair[0], pair[1]);
+#pragma GCC unroll 2
         for (int i = 0; i < 2; ++i) {
           for (int m = 0; m < ROWS; ++m) {
-            __m256& a = acc[m][j % kSplit][i];
-            a = _mm256_fmadd_ps(pair[i], _mm256_broadcast_ss(xs + m * k + 2 * j + i), a);
+            __m256& a = part[m][j % kSplit][i];
+            a = _mm256_fmadd_ps(pair[i], _mm256_broadcast_ss(xs[m] + 2 * j + i), a);
           }
         }
       }
+      for (auto& row : xs) row += kStep;
+    }
+    __m256 scale, minus_shift;
+    group_params(scales, offsets, b, groups, g, half, scale, minus_shift);
+    for (int m = 0; m < ROWS; ++m) {
+      __m256 sum = _mm256_add_ps(part[m][0][0], part[m][0][1]);
+      for (int split = 1; split < kSplit; ++split)
+        sum = _mm256_add_ps(sum, _mm256_add_ps(part[m][split][0], part[m][split][1]));
+      total[m] = _mm256_fmadd_ps(sum, scale, total[m]);
+      total[m] = _mm256_fmadd_ps(minus_shift, _mm256_broadcast_ss(x_sums + m * groups + g),
+                                 total[m]);
     }
   }
   for (int m = 0; m < ROWS; ++m) {
-    __m256 sum = _mm256_setzero_ps();
-    for (const auto& split : acc[m]) sum = _mm256_add_ps(sum, _mm256_add_ps(split[0], split[1]));
     // Vec16's bfloat16 rounding and partial store, on 8 lanes.
-    Vec16{sum, _mm256_setzero_ps()}.store_bf16(y + m * n_out + n, std::min<int64_t>(8, n_out - n));
+    Vec16{total[m], _mm256_setzero_ps()}.store_bf16(y + m * n_out + n,
+                                                    std::min<int64_t>(8, n_out - n));
   }
 }
 
 // Output block b for 1 to kInt4TileRows rows, a half at a time.
-void int4_tile_of(int rows, const float* x, int64_t k, const uint16_t* weight,
-                  const float* scales, const float* offsets, int64_t steps, int64_t groups,
-                  int64_t b, uint16_t* y, int64_t n_out) {
+void int4_tile_of(int rows, const float* x, const float* x_sums, int64_t k,
+                  const uint16_t* weight, const float* scales, const float* offsets,
+                  int64_t steps, int64_t groups, int64_t b, uint16_t* y, int64_t n_out) {
   for (int h = 0; h < 2; ++h) {
+    const auto run = [&](auto tile) {
+      tile(x, x_sums, k, weight, scales, offsets, steps, groups, b, h, y, n_out);
+    };
     switch (rows) {
-      case 1: int4_tile<1>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
-      case 2: int4_tile<2>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
-      case 3: int4_tile<3>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
-      default: int4_tile<4>(x, k, weight, scales, offsets, steps, groups, b, h, y, n_out); break;
+      case 1: run(int4_tile<1>); break;
+      case 2: run(int4_tile<2>); break;
+      case 3: run(int4_tile<3>); break;
+      default: run(int4_tile<4>); break;
     }
   }
 }
 
-// Output block b of the weight dequantized (as `int4_tile` does in
-// registers) into rows of float32 dense [n_out, k].
+// Output block b of the weight dequantized, q * scale - zero * scale as
+// the reference's float32 weight (exact), into rows of float32 dense
+// [n_out, k].
 void dequantize_block(const uint16_t* weight, const float* scales, const float* offsets,
                       int64_t b, int64_t steps, int64_t groups, int64_t n_out, float* dense) {
   const int64_t k = steps * kStep, steps_per_group = steps / groups;
@@ -121,14 +150,18 @@ void dequantize_block(const uint16_t* weight, const float* scales, const float* 
     for (int64_t g = 0; g < groups; ++g) {
       __m256 scale, minus_shift;
       group_params(scales, offsets, b, groups, g, half, scale, minus_shift);
+      __m256 step_scales[kStep];
+      for (int i = 0; i < kStep; ++i)
+        step_scales[i] = _mm256_mul_ps(scale, _mm256_set1_ps(kInputScale[i]));
       for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
         const __m256i w = load_half_step(weight, b, steps, s, half);
         alignas(32) float values[kStep][8];  // [input][channel]
         for (int j = 0; j < 4; ++j) {
           __m256 pair[2];
-          dequantize_nibbles(w, j, scale, minus_shift, pair);
-          _mm256_store_ps(values[2 * j], pair[0]);
-          _mm256_store_ps(values[2 * j + 1], pair[1]);
+          masked_nibbles(w, j, pair[0], pair[1]);
+          for (int i = 0; i < 2; ++i)
+            _mm256_store_ps(values[2 * j + i],
+                            _mm256_fmadd_ps(pair[i], step_scales[2 * j + i], minus_shift));
         }
         for (int64_t c = 0; c < channels; ++c)
           for (int64_t i = 0; i < kStep; ++i) dense[(c0 + c) * k + s * kStep + i] = values[i][c];
@@ -137,10 +170,24 @@ void dequantize_block(const uint16_t* weight, const float* scales, const float* 
   }
 }
 
-// x's bfloat16 rows [begin, end) widened to float32: exact.
-void widen_rows(const uint16_t* x, int64_t k, int64_t begin, int64_t end, float* out) {
-  for (int64_t i = begin * k; i < end * k; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-    std::memcpy(out + i, &bits, sizeof(bits));
+// x's bfloat16 rows [begin, end) widened to float32 and scaled for the
+// tiles (`kInputScale`): exact; and their group sums, unscaled.
+void widen_rows(const uint16_t* x, int64_t k, int64_t groups, int64_t begin, int64_t end,
+                float* out, float* sums) {
+  const __m256 scale = _mm256_loadu_ps(kInputScale);
+  const int64_t size = k / groups;  // a multiple of kStep
+  for (int64_t r = begin; r < end; ++r) {
+    for (int64_t g = 0; g < groups; ++g) {
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t i = r * k + g * size; i < r * k + (g + 1) * size; i += kStep) {
+        const __m256 wide =
+            bf16x8_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i)));
+        sum = _mm256_add_ps(sum, wide);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(wide, scale));
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, sum);
+      sums[r * groups + g] = std::accumulate(lanes, lanes + 8, 0.0f);
+    }
   }
 }
