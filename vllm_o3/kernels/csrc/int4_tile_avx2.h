@@ -59,10 +59,9 @@ inline __m256i load_half_step(const uint16_t* weight, int64_t b, int64_t steps, 
 // the tile sums q * x on the 4-bit values as they are, and adds
 // scale * sum(q x) - zero * scale * sum(x): the weight is never dequantized,
 // which leaves per 4-bit value an AND and a conversion, shared by the rows,
-// and an FMA a row. Half a block at a time keeps the tile in
-// 16 registers: a group accumulator per row, per input of a pair and (at 1
-// or 2 rows) per j modulo kSplit, so that 6 to 8 FMA chains hide the FMA
-// latency.
+// and an FMA a row. Half a block at a time keeps the tile in 16 registers: a
+// group accumulator per row, per input of a pair and (at 1 or 2 rows) per j
+// modulo kSplit, so that 6 to 8 FMA chains hide the FMA latency.
 template <int ROWS>
 void int4_tile(const float* x, const float* x_sums, int64_t k, const uint16_t* weight,
                const float* scales, const float* offsets, int64_t steps, int64_t groups,
