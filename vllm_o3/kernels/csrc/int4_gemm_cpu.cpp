@@ -777,8 +777,10 @@ void for_each_tile(int64_t rows, int64_t row_bytes, int64_t max_tile_rows, int64
 }
 
 // From these rows `int4_gemm_avx2` dequantizes the whole weight for torch's
-// float32 GEMM: between 129 and 256 rows it overtook the tiles on the FFN
-// shapes of the 1b and 135m presets (docs/bench_int4_linear.md).
+// float32 GEMM: between 129 and 256 rows it overtook the first tiles (which
+// dequantized in registers) on the FFN shapes of the 1b and 135m presets;
+// the present ones run a row about as fast as it does from 129 to 512 rows
+// (docs/bench_int4_linear.md).
 constexpr int64_t kAvx2DenseMinRows = 192;
 
 // `int4_gemm` on AVX2: x widened to float32 (with its group sums) once, then
