@@ -184,9 +184,7 @@ void widen_rows(const uint16_t* x, int64_t k, int64_t groups, int64_t begin, int
         sum = _mm256_add_ps(sum, wide);
         _mm256_storeu_ps(out + i, _mm256_mul_ps(wide, scale));
       }
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, sum);
-      sums[r * groups + g] = std::accumulate(lanes, lanes + 8, 0.0f);
+      sums[r * groups + g] = Vec16{sum, _mm256_setzero_ps()}.sum();
     }
   }
 }
