@@ -7,7 +7,8 @@
 
 For each compilation mode (vLLM's default compiled mode, and eager), one
 engine per variant, side by side, measures prefill tokens/s (16 prompts of
-512 tokens of real text, other text each repeat, as a server sees) and
+512 tokens of real text, other text each repeat, as a server sees; fewer
+prompts with `--prefill-prompts` where a CPU's 16-bit GEMM takes minutes) and
 decode tokens/s at batch 1 and 16, with the routers' heavy fraction during
 each measurement and the bytes of the loaded weights. Medians of repeats,
 after a warm-up of each measurement. The engines' threads get every
@@ -15,7 +16,7 @@ CPU of this process: vLLM's automatic binding keeps one core for its front
 end, which on a two-core machine halves the model's compute.
 
     python -m benchmarks.e2e_speed MODEL --compare routing|int4 [--modes compiled eager]
-        [--metrics prefill decode_b1 decode_b16]
+        [--metrics prefill decode_b1 decode_b16] [--prefill-prompts 16]
 """
 
 from __future__ import annotations
@@ -61,9 +62,12 @@ VARIANTS = {
 class Engine:
     """One LLM plus the measurements, each with its heavy fraction."""
 
-    def __init__(self, model: str, options: dict, eager: bool, prefills: int):
-        """`prefills`: how many prefill calls to hold text for (0: none, and
-        batches of up to 1024 tokens, which start the engine faster)."""
+    def __init__(
+        self, model: str, options: dict, eager: bool, prefills: int, prompts: int
+    ):
+        """`prefills`: how many prefill calls of `prompts` prompts to hold text
+        for (0: none, and batches of up to 1024 tokens, which start the engine
+        faster)."""
         from vllm import LLM
 
         self.llm = LLM(
@@ -73,19 +77,18 @@ class Engine:
             enable_prefix_caching=False,  # every repeat computes its prompt
             max_model_len=1024,
             max_num_seqs=16,
-            max_num_batched_tokens=PREFILL_PROMPTS * PREFILL_LEN if prefills else 1024,
+            max_num_batched_tokens=max(1024, prompts * PREFILL_LEN)
+            if prefills
+            else 1024,
             seed=0,
         )
         tokenizer = self.llm.get_tokenizer()
         windows = (
-            text_windows(tokenizer, PREFILL_PROMPTS * prefills, PREFILL_LEN)
-            if prefills
-            else []
+            text_windows(tokenizer, prompts * prefills, PREFILL_LEN) if prefills else []
         )
         # One batch per prefill call, in turn: each call routes new text.
         self.prefill_batches = itertools.cycle(
-            windows[i : i + PREFILL_PROMPTS]
-            for i in range(0, len(windows), PREFILL_PROMPTS)
+            windows[i : i + prompts] for i in range(0, len(windows), prompts)
         )
         self.decode_prompts = text_windows(tokenizer, 16, DECODE_PROMPT_LEN)
 
@@ -109,8 +112,9 @@ class Engine:
         return seconds, (heavy1 - heavy0) / max(1, total1 - total0)
 
     def prefill(self) -> tuple[float, float]:
-        seconds, heavy = self.timed(next(self.prefill_batches), 1)
-        return PREFILL_PROMPTS * PREFILL_LEN / seconds, heavy
+        batch = next(self.prefill_batches)
+        seconds, heavy = self.timed(batch, 1)
+        return len(batch) * PREFILL_LEN / seconds, heavy
 
     def decode(self, batch: int) -> tuple[float, float]:
         """Tokens/s of the decode steps alone: a run of DECODE_TOKENS + 1
@@ -132,7 +136,12 @@ METRICS = {
 
 
 def measure(
-    model: str, variants: list, eager: bool, repeats: int, metrics: list[str]
+    model: str,
+    variants: list,
+    eager: bool,
+    repeats: int,
+    metrics: list[str],
+    prefill_prompts: int,
 ) -> dict:
     """Per variant label: {metric: (each repeat's tokens/s, median heavy
     fraction)} and "weights". The variants' engines run side by
@@ -145,7 +154,7 @@ def measure(
     try:
         for label, options in variants:
             prefills = 1 + repeats if "prefill" in metrics else 0
-            engines[label] = Engine(model, options, eager, prefills)
+            engines[label] = Engine(model, options, eager, prefills, prefill_prompts)
             for metric in metrics:  # warm-up
                 METRICS[metric](engines[label])
         samples = {(label, metric): [] for label in engines for metric in metrics}
@@ -189,13 +198,24 @@ def main() -> None:
         default=list(METRICS),
         help="a subset, e.g. decode alone where a CPU's prefill takes minutes",
     )
+    parser.add_argument(
+        "--prefill-prompts",
+        type=int,
+        default=PREFILL_PROMPTS,
+        help="prompts of a prefill call; fewer where 16 x 512 tokens take minutes",
+    )
     parser.add_argument("--report", default=None, help="docs/ file name")
     args = parser.parse_args()
     variants = VARIANTS[args.compare]
     results = {}
     for mode in tqdm(args.modes, desc="modes"):
         for label, measured in measure(
-            args.model, variants, mode == "eager", args.repeats, args.metrics
+            args.model,
+            variants,
+            mode == "eager",
+            args.repeats,
+            args.metrics,
+            args.prefill_prompts,
         ).items():
             results[mode, label] = measured
     baseline = variants[-1][0]
@@ -220,7 +240,7 @@ def main() -> None:
         for label, _ in variants
     )
     prefill = (
-        f"Prefill: {PREFILL_PROMPTS} prompts x {PREFILL_LEN} tokens of text, other "
+        f"Prefill: {args.prefill_prompts} prompts x {PREFILL_LEN} tokens of text, other "
         "text each repeat. "
         if "prefill" in args.metrics
         else ""
