@@ -206,6 +206,8 @@ def main() -> None:
     )
     parser.add_argument("--report", default=None, help="docs/ file name")
     args = parser.parse_args()
+    if args.prefill_prompts < 1:
+        parser.error("--prefill-prompts must be at least 1")
     variants = VARIANTS[args.compare]
     results = {}
     for mode in tqdm(args.modes, desc="modes"):
