@@ -1,8 +1,10 @@
-"""O3's RMSNorm on the CPU: vLLM's C++ kernel against the reference model's
-norm (transformers' Llama RMSNorm: w * x / sqrt(mean(x^2) + eps) in float32,
-rounded once), in every dtype it takes, with and without the residual add;
-what it cannot read runs natively with the same result; and which forward an
-engine picks in eager and compiled mode."""
+"""O3's RMSNorm on the CPU: the C++ kernel (vLLM's, or O3's for bfloat16 where
+vLLM's rounds toward zero) against the reference model's norm (transformers'
+Llama RMSNorm: w * x / sqrt(mean(x^2) + eps) in float32, rounded once), in
+every dtype it takes, with and without the residual add; O3's kernel against
+vLLM's native norm on every ISA; what the kernels cannot read runs natively
+with the same result; and which forward an engine picks in eager and compiled
+mode."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from tests.utils import vllm_engine
+from vllm_o3.kernels import cpu_kernels
 from vllm_o3.model import layernorm
 from vllm_o3.model.layernorm import RMSNormWithCpuKernel
 
@@ -42,10 +45,9 @@ def norm(width: int, dtype: torch.dtype) -> RMSNormWithCpuKernel:
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("rows, width", [(1, 64), (37, 576), (5, 2048), (0, 64)])
 def test_the_kernel_normalises_as_the_definition_says(rows, width, dtype):
-    if dtype == torch.bfloat16 and not layernorm.BFLOAT16_ROUNDS_TO_NEAREST:
-        pytest.skip("the kernel does not take bfloat16 here (the test below)")
-    torch.manual_seed(rows + width)
     layer = norm(width, dtype)
+    assert layer._cpu_kernels(torch.empty(1, width, dtype=dtype))[0] is not None
+    torch.manual_seed(rows + width)
     x = torch.randn(rows, width, dtype=dtype) * 3
     residual = torch.randn(rows, width, dtype=dtype)
     tolerance = dict(atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
@@ -70,7 +72,7 @@ def round_toward_zero(x: torch.Tensor) -> torch.Tensor:
     return (x.float().view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()
 
 
-def test_bfloat16_runs_natively_where_the_kernel_rounds_toward_zero():
+def test_bfloat16_takes_o3s_kernel_where_vllms_rounds_toward_zero():
     from vllm import _custom_ops as ops
 
     torch.manual_seed(2)
@@ -80,21 +82,89 @@ def test_bfloat16_runs_natively_where_the_kernel_rounds_toward_zero():
     summed = x.float() + residual.float()
     kernel_residual = residual.clone()
     ops.fused_add_rms_norm(x.clone(), kernel_residual, layer.weight.data, EPS)
-    refusal = layer._cpu_kernel_refusal(x, residual)
+    kernels, refusal = layer._cpu_kernels(x, residual)
     if layernorm.BFLOAT16_ROUNDS_TO_NEAREST:
-        assert refusal is None
+        assert (kernels, refusal) == (ops, None)
         assert torch.equal(kernel_residual, summed.bfloat16())
         return
     # What vLLM's kernel for this CPU does, and why it is not used: should a
-    # vLLM release round to nearest here, this fails and the kernel can return.
+    # vLLM release round to nearest here, this fails and its kernel can return.
     assert torch.equal(kernel_residual, round_toward_zero(summed))
     assert not torch.equal(kernel_residual, summed.bfloat16())
-    assert "rounds toward zero" in refusal
+    assert refusal is None
+    if cpu_kernels.unavailable_reason() is None:
+        assert kernels is torch.ops.o3_cpu
     out, new_residual = layer.forward_cpu(x.clone(), residual.clone())
     assert torch.equal(new_residual, summed.bfloat16())
     torch.testing.assert_close(
         out, rms_norm_reference(summed.bfloat16(), layer.weight), atol=3e-2, rtol=3e-2
     )
+
+
+def native_norm(x, residual, weight):
+    """vLLM's native norm (its IR op's PyTorch definition), which O3's kernel
+    computes with float32 sums in another order."""
+    from vllm.ir.ops.layernorm import fused_add_rms_norm, rms_norm
+
+    if residual is None:
+        return rms_norm.impls["native"].impl_fn(x, weight, EPS, None)
+    return fused_add_rms_norm.impls["native"].impl_fn(x, residual, weight, EPS, None)
+
+
+needs_o3_kernels = pytest.mark.skipif(
+    cpu_kernels.unavailable_reason() is not None,
+    reason=str(cpu_kernels.unavailable_reason()),
+)
+
+
+@needs_o3_kernels
+@pytest.mark.parametrize(
+    "shape", [(1, 2048), (37, 576), (3, 5, 64), (4, 7), (2, 2047), (0, 64)]
+)
+def test_o3s_kernel_is_vllms_native_norm(shape, isa):
+    torch.manual_seed(sum(shape))
+    width = shape[-1]
+    weight = torch.empty(width, dtype=torch.bfloat16).uniform_(0.5, 1.5)
+    x = torch.randn(shape, dtype=torch.bfloat16) * 3
+    residual = torch.randn(shape, dtype=torch.bfloat16)
+    one_rounding = dict(atol=0, rtol=2**-7)  # the scale's float32 sum's order
+
+    out = torch.empty_like(x)
+    torch.ops.o3_cpu.rms_norm(out, x, weight, EPS)
+    torch.testing.assert_close(out, native_norm(x, None, weight), **one_rounding)
+
+    expected_out, expected_residual = native_norm(x, residual, weight)
+    torch.ops.o3_cpu.fused_add_rms_norm(x, residual, weight, EPS)  # in place
+    assert torch.equal(residual, expected_residual)
+    torch.testing.assert_close(x, expected_out, **one_rounding)
+
+
+@needs_o3_kernels
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.zeros(2, 8), torch.ones(8, dtype=torch.bfloat16)), "bfloat16 tensor"),
+        ((torch.zeros(8, 2, dtype=torch.bfloat16).t(), torch.ones(8)), "contiguous"),
+        ((torch.zeros(2, 8, dtype=torch.bfloat16), torch.ones(6)), "x's width 8"),
+    ],
+)
+def test_o3s_kernel_refuses_what_it_cannot_read_by_name(args, message):
+    x, weight = args
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.o3_cpu.rms_norm(
+            torch.empty_like(x), x, weight.to(torch.bfloat16), EPS
+        )
+
+
+def test_without_o3s_kernels_bfloat16_runs_natively_and_says_why(monkeypatch):
+    monkeypatch.setattr(layernorm, "BFLOAT16_ROUNDS_TO_NEAREST", False)
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "no compiler")
+    layer = norm(64, torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    kernels, refusal = layer._cpu_kernels(x)
+    assert kernels is None
+    assert "rounds toward zero" in refusal and "no compiler" in refusal
+    torch.testing.assert_close(layer.forward_cpu(x), layer.forward_native(x))
 
 
 def test_a_rows_norm_does_not_depend_on_its_batch():
@@ -122,7 +192,7 @@ def test_what_the_kernel_cannot_read_runs_natively_with_the_same_result(case, re
     layer = norm(width, torch.float32 if case == "weight dtype differs" else dtype)
     residual = torch.randn(6, width, dtype=dtype)
 
-    assert reason in layer._cpu_kernel_refusal(x)
+    assert reason in layer._cpu_kernels(x)[1]
     torch.testing.assert_close(layer.forward_cpu(x), layer.forward_native(x))
     expected = layer.forward_native(x.clone(), residual.clone())
     got = layer.forward_cpu(x.clone(), residual.clone())

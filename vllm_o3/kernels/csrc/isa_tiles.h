@@ -42,14 +42,17 @@ struct Tiles {
   decltype(&avx2::router_tile) router;
   decltype(&avx2::pair_gemm_tile_of) pair_gemm;
   decltype(&avx2::silu_and_mul_row) silu_and_mul;
+  decltype(&avx2::rms_norm_row) rms_norm;
 };
 
 const Tiles& tiles() {
   static const Tiles avx512_bf16_tiles{
       avx512_bf16::kPairTileRows, avx512_bf16::kPairTileBlocks, avx512_bf16::router_tile,
-      avx512_bf16::pair_gemm_tile_of, avx512_bf16::silu_and_mul_row};
+      avx512_bf16::pair_gemm_tile_of, avx512_bf16::silu_and_mul_row,
+      avx512_bf16::rms_norm_row};
   static const Tiles avx2_tiles{avx2::kPairTileRows, avx2::kPairTileBlocks, avx2::router_tile,
-                                avx2::pair_gemm_tile_of, avx2::silu_and_mul_row};
+                                avx2::pair_gemm_tile_of, avx2::silu_and_mul_row,
+                                avx2::rms_norm_row};
   switch (o3_cpu::active_isa()) {
     case o3_cpu::Isa::kAvx512Bf16: return avx512_bf16_tiles;
     case o3_cpu::Isa::kAvx2: return avx2_tiles;

@@ -1,8 +1,9 @@
-// The innermost loops of the routed FFN's CPU kernels, written once against
-// `Vec16` (16 float32 lanes) and compiled once per ISA by `isa_tiles.h`,
-// which includes this file inside each ISA's namespace and target region
-// (hence no include guard). The drivers (threads, shapes, checks) are
-// `routed_light_cpu.cpp` and `silu_and_mul_cpu.cpp`.
+// The innermost loops of the routed FFN's CPU kernels and of the norm,
+// written once against `Vec16` (16 float32 lanes) and compiled once per ISA
+// by `isa_tiles.h`, which includes this file inside each ISA's namespace and
+// target region (hence no include guard). The drivers (threads, shapes,
+// checks) are `routed_light_cpu.cpp`, `silu_and_mul_cpu.cpp` and
+// `rms_norm_cpu.cpp`.
 
 constexpr int64_t kLanes = 16;  // output channels per block of the pair layout
 
@@ -127,5 +128,30 @@ void silu_and_mul_row(const uint16_t* gate, const uint16_t* up, uint16_t* out, i
   for (int64_t c = 0; c < n; c += kLanes) {
     const Vec16 y = silu(Vec16::load_bf16(gate + c, n - c)) * Vec16::load_bf16(up + c, n - c);
     y.store_bf16(out + c, n - c);
+  }
+}
+
+// One row of n values: out = bf16(bf16(s * rsqrt(mean(s^2) + eps)) * weight)
+// with s = x (+ residual), in float32, as vLLM's native norm computes it;
+// with a residual, residual_out = bf16(s). `s` (n rounded up to 16 float32
+// values) holds the sum between the two passes, so out may alias x and
+// residual_out residual (the in-place fused norm).
+void rms_norm_row(const uint16_t* x, const uint16_t* residual, const uint16_t* weight,
+                  float eps, int64_t n, float* s, uint16_t* residual_out, uint16_t* out) {
+  Vec16 squares = Vec16::zero();
+  for (int64_t c = 0; c < n; c += kLanes) {
+    Vec16 v = Vec16::load_bf16(x + c, n - c);  // lanes past n are 0
+    if (residual != nullptr) {
+      v = v + Vec16::load_bf16(residual + c, n - c);
+      v.store_bf16(residual_out + c, n - c);
+    }
+    v.store(s + c);
+    squares = fmadd(v, v, squares);
+  }
+  const Vec16 scale = Vec16::broadcast(1.0f / std::sqrt(squares.sum() / n + eps));
+  for (int64_t c = 0; c < n; c += kLanes) {
+    // Rounded to bfloat16 before the weight, as the native norm does.
+    const Vec16 normed = (Vec16::load(s + c) * scale).rounded_to_bf16();
+    (normed * Vec16::load_bf16(weight + c, n - c)).store_bf16(out + c, n - c);
   }
 }

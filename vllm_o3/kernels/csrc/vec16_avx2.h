@@ -91,6 +91,11 @@ struct Vec16 {
     return {plus_pair_products8(lo, w.lo, first, second),
             plus_pair_products8(hi, w.hi, first, second)};
   }
+  // Each lane rounded to bfloat16 (nearest even), kept as float32.
+  Vec16 rounded_to_bf16() const {
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(float_to_bf16_bits(lo), 16)),
+            _mm256_castsi256_ps(_mm256_slli_epi32(float_to_bf16_bits(hi), 16))};
+  }
   Vec16 clamp(float low, float high) const {
     const __m256 l = _mm256_set1_ps(low), h = _mm256_set1_ps(high);
     return {_mm256_min_ps(_mm256_max_ps(lo, l), h), _mm256_min_ps(_mm256_max_ps(hi, l), h)};

@@ -32,6 +32,9 @@ struct Vec16 {
   Vec16 plus_pair_products(Pairs w, uint32_t x) const {
     return {_mm512_dpbf16_ps(v, w.w, (__m512bh)_mm512_set1_epi32(static_cast<int>(x)))};
   }
+  Vec16 rounded_to_bf16() const {
+    return {bf16x16_to_float((__m256i)_mm512_cvtneps_pbh(v))};
+  }
   Vec16 clamp(float lo, float hi) const {
     return {_mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(lo)), _mm512_set1_ps(hi))};
   }
