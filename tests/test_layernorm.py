@@ -46,7 +46,10 @@ def norm(width: int, dtype: torch.dtype) -> RMSNormWithCpuKernel:
 @pytest.mark.parametrize("rows, width", [(1, 64), (37, 576), (5, 2048), (0, 64)])
 def test_the_kernel_normalises_as_the_definition_says(rows, width, dtype):
     layer = norm(width, dtype)
-    assert layer._cpu_kernels(torch.empty(1, width, dtype=dtype))[0] is not None
+    kernels, refusal = layer._cpu_kernels(torch.empty(1, width, dtype=dtype))
+    if cpu_kernels.unavailable_reason() is not None and kernels is None:
+        pytest.skip(refusal)  # bfloat16 where only O3's kernel takes it
+    assert kernels is not None
     torch.manual_seed(rows + width)
     x = torch.randn(rows, width, dtype=dtype) * 3
     residual = torch.randn(rows, width, dtype=dtype)
