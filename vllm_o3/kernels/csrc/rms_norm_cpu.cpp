@@ -20,12 +20,19 @@ namespace {
 // Below this many elements a thread's share is not worth waking threads.
 constexpr int64_t kMinWorkPerThread = 64 * 1024;
 
-void check_norm_args(const at::Tensor& x, const at::Tensor& weight, const char* op) {
+// x and `other` (the output, or the residual) contiguous bfloat16 of one
+// shape, weight a bfloat16 vector of x's width; returns x's rows.
+int64_t checked_rows(const at::Tensor& x, const at::Tensor& other, const char* other_name,
+                     const at::Tensor& weight, const char* op) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.dim() >= 1, op,
               ": x must be a contiguous bfloat16 tensor");
+  TORCH_CHECK(other.sizes() == x.sizes() && other.scalar_type() == at::kBFloat16 &&
+                  other.is_contiguous(),
+              op, ": ", other_name, " must be a contiguous bfloat16 tensor of x's shape");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() &&
                   weight.dim() == 1 && weight.size(0) == x.size(-1),
               op, ": weight must be a contiguous bfloat16 vector of x's width ", x.size(-1));
+  return x.size(-1) ? x.numel() / x.size(-1) : 0;
 }
 
 const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
@@ -48,26 +55,17 @@ void norm_rows(const uint16_t* x, const uint16_t* residual, const uint16_t* weig
 
 // out <- rms_norm(x) * weight, as vLLM's `_C::rms_norm`.
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight, "rms_norm");
-  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == at::kBFloat16 &&
-                  out.is_contiguous(),
-              "rms_norm: out must be a contiguous bfloat16 tensor of x's shape");
-  const int64_t n = x.size(-1);
-  norm_rows(bits(x), nullptr, bits(weight), eps, n ? x.numel() / n : 0, n, nullptr,
-            mutable_bits(out));
+  const int64_t rows = checked_rows(x, out, "out", weight, "rms_norm");
+  norm_rows(bits(x), nullptr, bits(weight), eps, rows, x.size(-1), nullptr, mutable_bits(out));
 }
 
 // residual <- x + residual, x <- rms_norm(that sum) * weight, in place, as
 // vLLM's `_C::fused_add_rms_norm`.
 void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                         double eps) {
-  check_norm_args(x, weight, "fused_add_rms_norm");
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kBFloat16 &&
-                  residual.is_contiguous(),
-              "fused_add_rms_norm: residual must be a contiguous bfloat16 tensor of x's shape");
-  const int64_t n = x.size(-1);
-  norm_rows(bits(x), bits(residual), bits(weight), eps, n ? x.numel() / n : 0, n,
-            mutable_bits(residual), mutable_bits(x));
+  const int64_t rows = checked_rows(x, residual, "residual", weight, "fused_add_rms_norm");
+  norm_rows(bits(x), bits(residual), bits(weight), eps, rows, x.size(-1), mutable_bits(residual),
+            mutable_bits(x));
 }
 
 }  // namespace
