@@ -153,6 +153,19 @@ def weight_bytes(model) -> int:
     return total
 
 
+def vllm_linear(weight: torch.Tensor) -> torch.nn.Module:
+    """vLLM's 16-bit linear layer holding `weight`, its weights processed as
+    an engine's are (on CPU: vLLM's GEMM dispatch); inside
+    `single_process_vllm`. Called as the model calls it: `layer(x)[0]`."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    out_features, in_features = weight.shape
+    layer = ReplicatedLinear(in_features, out_features, bias=False, prefix="bench")
+    layer.weight.data.copy_(weight)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
 def write_report(name: str, title: str, body: str) -> Path:
     """Write `docs/<name>.md` with the command, machine and revision on top."""
     DOCS.mkdir(exist_ok=True)

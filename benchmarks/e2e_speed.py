@@ -4,6 +4,9 @@
 `router_threshold: 0`, which computes exactly its dense parent.
 `--compare int4`: the checkpoint in 16-bit against `--quantization o3_int4`
 (online round-to-nearest, group 128, symmetric).
+`--compare bf16_linear`: the checkpoint's bfloat16 linears on O3's CPU kernel
+against torch's matmul (`VLLM_O3_CPU_BF16_LINEAR=0`), on a CPU without a
+fast bfloat16 GEMM.
 
 For each compilation mode (vLLM's default compiled mode, and eager), one
 engine per variant, side by side, measures prefill tokens/s (16 prompts of
@@ -15,7 +18,8 @@ after a warm-up of each measurement. The engines' threads get every
 CPU of this process: vLLM's automatic binding keeps one core for its front
 end, which on a two-core machine halves the model's compute.
 
-    python -m benchmarks.e2e_speed MODEL --compare routing|int4 [--modes compiled eager]
+    python -m benchmarks.e2e_speed MODEL --compare routing|int4|bf16_linear
+        [--modes compiled eager]
         [--metrics prefill decode_b1 decode_b16] [--prefill-prompts 16]
 """
 
@@ -26,6 +30,7 @@ import itertools
 import os
 import statistics
 import time
+from unittest import mock
 
 from vllm_o3.cpu_queue_polling import every_core_binding
 
@@ -46,15 +51,24 @@ def text_windows(tokenizer, count: int, length: int) -> list[list[int]]:
     return [ids[i * step : i * step + length] for i in range(count)]
 
 
-# Per comparison: (variant label, engine options); the last is the baseline.
+# Per comparison: (variant label, engine options, environment of the engine's
+# processes); the last is the baseline.
 VARIANTS = {
     "routing": [
-        ("O3, checkpoint's threshold", {}),
-        ("threshold 0 (dense parent)", {"hf_overrides": {"router_threshold": 0.0}}),
+        ("O3, checkpoint's threshold", {}, {}),
+        (
+            "threshold 0 (dense parent)",
+            {"hf_overrides": {"router_threshold": 0.0}},
+            {},
+        ),
     ],
     "int4": [
-        ("o3_int4", {"quantization": "o3_int4"}),
-        ("16-bit", {}),
+        ("o3_int4", {"quantization": "o3_int4"}, {}),
+        ("16-bit", {}, {}),
+    ],
+    "bf16_linear": [
+        ("O3's bfloat16 linear", {}, {}),
+        ("torch's bfloat16 matmul", {}, {"VLLM_O3_CPU_BF16_LINEAR": "0"}),
     ],
 }
 
@@ -63,25 +77,32 @@ class Engine:
     """One LLM plus the measurements, each with its heavy fraction."""
 
     def __init__(
-        self, model: str, options: dict, eager: bool, prefills: int, prompts: int
+        self,
+        model: str,
+        options: dict,
+        env: dict[str, str],
+        eager: bool,
+        prefills: int,
+        prompts: int,
     ):
         """`prefills`: how many prefill calls of `prompts` prompts to hold text
         for (0: none, and batches of up to 1024 tokens, which start the engine
-        faster)."""
+        faster). `env` is set while the engine's processes start."""
         from vllm import LLM
 
-        self.llm = LLM(
-            model,
-            **options,
-            enforce_eager=eager,
-            enable_prefix_caching=False,  # every repeat computes its prompt
-            max_model_len=1024,
-            max_num_seqs=16,
-            max_num_batched_tokens=max(1024, prompts * PREFILL_LEN)
-            if prefills
-            else 1024,
-            seed=0,
-        )
+        with mock.patch.dict(os.environ, env):
+            self.llm = LLM(
+                model,
+                **options,
+                enforce_eager=eager,
+                enable_prefix_caching=False,  # every repeat computes its prompt
+                max_model_len=1024,
+                max_num_seqs=16,
+                max_num_batched_tokens=max(1024, prompts * PREFILL_LEN)
+                if prefills
+                else 1024,
+                seed=0,
+            )
         tokenizer = self.llm.get_tokenizer()
         windows = (
             text_windows(tokenizer, prompts * prefills, PREFILL_LEN) if prefills else []
@@ -152,9 +173,11 @@ def measure(
 
     engines: dict[str, Engine] = {}
     try:
-        for label, options in variants:
+        for label, options, env in variants:
             prefills = 1 + repeats if "prefill" in metrics else 0
-            engines[label] = Engine(model, options, eager, prefills, prefill_prompts)
+            engines[label] = Engine(
+                model, options, env, eager, prefills, prefill_prompts
+            )
             for metric in metrics:  # warm-up
                 METRICS[metric](engines[label])
         samples = {(label, metric): [] for label in engines for metric in metrics}
@@ -228,7 +251,7 @@ def main() -> None:
     for mode in args.modes:
         for metric in args.metrics:
             base = results[mode, baseline][metric][0]
-            for label, _ in variants:
+            for label, *_ in variants:
                 speeds, heavy = results[mode, label][metric]
                 ratio = (
                     "" if label == baseline else f"{median_ratio(speeds, base):.2f}x"
@@ -239,7 +262,7 @@ def main() -> None:
                 )
     weights = "\n".join(
         f"- {label}: {results[args.modes[0], label]['weights'][0] / 2**20:.0f} MiB"
-        for label, _ in variants
+        for label, *_ in variants
     )
     prefill = (
         f"Prefill: {args.prefill_prompts} prompts x {PREFILL_LEN} tokens of text, other "
@@ -264,6 +287,7 @@ def main() -> None:
     titles = {
         "routing": "Routed FFN end to end: O3 vs its dense parent in vLLM",
         "int4": "o3_int4 end to end: INT4 FFN vs 16-bit in vLLM",
+        "bf16_linear": "O3's bfloat16 linear end to end: vs torch's matmul in vLLM",
     }
     name = args.report or f"bench_e2e_{args.compare}"
     print(f"written to {write_report(name, titles[args.compare], body)}")

@@ -33,6 +33,7 @@ from benchmarks.common import (
     interleaved_times,
     median_ratio,
     single_process_vllm,
+    vllm_linear,
     write_report,
 )
 
@@ -47,12 +48,7 @@ ROWS = (1, 2, 4, 8, 16, 32, 64, 256, 512, 2048)
 
 
 def dense_linear(weight: torch.Tensor, packed):
-    from vllm.model_executor.layers.linear import ReplicatedLinear
-
-    out_features, in_features = weight.shape
-    layer = ReplicatedLinear(in_features, out_features, bias=False, prefix="bench")
-    layer.weight.data.copy_(weight)
-    layer.quant_method.process_weights_after_loading(layer)
+    layer = vllm_linear(weight)
     return lambda x: layer(x)[0]
 
 

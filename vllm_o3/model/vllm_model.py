@@ -42,7 +42,7 @@ from vllm.model_executor.models.utils import (
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import direct_register_custom_op
 
-from vllm_o3.kernels import cpu_routed_ffn
+from vllm_o3.kernels import cpu_bf16_linear, cpu_routed_ffn
 from vllm_o3.kernels.cpu_routed_ffn import CpuRoutedWeights, routed_ffn_cpu
 from vllm_o3.kernels.routed_ffn_triton import RoutedFFNWeights, routed_ffn_triton
 from vllm_o3.kernels.routing import (
@@ -404,12 +404,14 @@ class O3ForCausalLM(LlamaForCausalLM):
 
     def process_weights_after_loading(self) -> None:
         """vLLM's model-level hook, after every layer's quantization: weights
-        are final, so the CPU routed FFN kernel takes its copy; and only now
+        are final, so the CPU routed FFN kernel takes its copy, and 16-bit
+        linears whose vLLM GEMM is torch's plain loop take O3's; and only now
         may freed memory be kept, or loading's and online quantization's
         temporaries would stay resident."""
         if current_platform.is_cpu():
             for _, layer in routed_layers(self):
                 layer.prepare_cpu_kernel()
+            cpu_bf16_linear.use_for_linears(self)
             keep_freed_memory()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
