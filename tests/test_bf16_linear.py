@@ -101,6 +101,20 @@ def test_it_refuses_what_it_cannot_read_by_name(args, message):
         torch.ops.o3_cpu.bf16_linear(*args())
 
 
+def test_its_switch_is_part_of_vllms_compile_cache_key(monkeypatch):
+    """vLLM reuses a compiled graph whose key matches: one traced with O3's
+    kernel must not serve an engine started with the kernel switched off."""
+    from vllm import envs
+
+    import vllm_o3.plugin
+
+    vllm_o3.plugin.register()
+    monkeypatch.delenv(cpu_bf16_linear.OPT_OUT, raising=False)
+    default = envs.compile_factors()
+    monkeypatch.setenv(cpu_bf16_linear.OPT_OUT, "0")
+    assert envs.compile_factors() != default
+
+
 def kernel_linears(model) -> tuple[int, int]:
     """Runs in the worker: (bfloat16 linears on O3's kernel, all bfloat16 linears)."""
     linears = [

@@ -71,6 +71,18 @@ def request_amx_tiles() -> None:
         torch.cpu._init_amx()
 
 
+def key_compile_cache() -> None:
+    """O3's environment variables that change what torch.compile traces join
+    vLLM's own in its compile-cache key (`vllm.envs.compile_factors` hashes
+    every variable vLLM knows), or an engine would reuse a graph compiled
+    with another setting."""
+    from vllm import envs
+
+    from vllm_o3.kernels.cpu_bf16_linear import OPT_OUT
+
+    envs.environment_variables.setdefault(OPT_OUT, lambda: os.environ.get(OPT_OUT))
+
+
 def register() -> None:
     """vLLM plugin entry point: O3's config, model class, metrics and the
     `o3_int4` quantization method; the AMX tile state where the CPU has it and
@@ -85,6 +97,7 @@ def register() -> None:
     share_worker_metrics()
     request_amx_tiles()
     configure_queue_polling()
+    key_compile_cache()
     if "O3ForCausalLM" not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model("O3ForCausalLM", VLLM_MODEL_CLASS)
     if QUANT_METHOD not in QUANTIZATION_METHODS:

@@ -3,9 +3,9 @@
 
 There (no AVX-512, so no oneDNN bfloat16 matmul) vLLM's CPU linears run
 torch's bfloat16 matmul, a plain loop: the kernel reads the weight at about
-the memory's speed at one row (1.4-1.7x torch on the 1b preset's shapes) and
-runs 2-5x faster from two rows on (docs/bench_bf16_linear.md). Everywhere
-else, and with `VLLM_O3_CPU_BF16_LINEAR=0`, vLLM's own GEMM stays.
+the memory's speed at one row (1.3-1.9x vLLM's linear on the 1b preset's
+shapes) and runs 2-7x faster from two rows on (docs/bench_bf16_linear.md).
+Everywhere else, and with `VLLM_O3_CPU_BF16_LINEAR=0`, vLLM's own GEMM stays.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import os
 import torch
 from torch import nn
 from vllm.logger import init_logger
-from vllm.platforms import current_platform
 
 from vllm_o3.kernels import cpu_kernels
 
@@ -28,6 +27,8 @@ OPT_OUT = "VLLM_O3_CPU_BF16_LINEAR"
 def pays() -> bool:
     """Whether vLLM's CPU GEMM for bfloat16 is torch's plain loop here (not
     oneDNN's, nor zentorch's on vLLM's Zen platform)."""
+    from vllm.platforms import current_platform
+
     return not (
         cpu_kernels.has_fast_gemm(torch.bfloat16) or current_platform.is_zen_cpu()
     )
