@@ -18,7 +18,7 @@ needs_kernel = pytest.mark.skipif(
     reason=f"O3's CPU kernels do not run here: {cpu_bf16_linear.unavailable_reason()}",
 )
 
-SHAPES = [(1, 8), (7, 13), (24, 64), (25, 100), (300, 1030)]  # (N, K)
+SHAPES = [(1, 8), (7, 13), (24, 64), (25, 100), (300, 1030), (5, 0)]  # (N, K)
 ROWS = [0, 1, 2, 3, 4, 5, 15, 16, 255, 256, 300]  # tiles up to 255, GEMM from 256
 
 

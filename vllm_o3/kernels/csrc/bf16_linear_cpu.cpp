@@ -7,8 +7,8 @@
 //
 // - below kFloatGemmMinRows rows (decode): dot products of the weight's rows
 //   as they sit ([N, K] bfloat16, no copy, so no extra memory) with x widened
-//   to float32 once; tiles of up to 4 rows x 8 channels in registers, which
-//   at one row read the weight at about the memory's speed;
+//   to float32 once; tiles of 1 row x 8 channels to 4 rows x 3 in
+//   registers, which at one row read the weight at about the memory's speed;
 // - from it (prefill): the weight widened to float32 a block of channels at
 //   a time and torch's float32 GEMM on each block.
 //
@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -59,6 +60,9 @@ void dot_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t k,
   const int64_t whole = k & ~int64_t{7};
   for (int64_t c = 0; c < whole; c += 8) {
     __m256 wv[OUTS];
+    // The next tile's rows, a cache line of each at a time: rows of a few
+    // hundred inputs are too short for the hardware's stream prefetch (past
+    // the weight's end a prefetch reads nothing).
     if (c % 32 == 0)
       for (int o = 0; o < OUTS; ++o)
         _mm_prefetch(reinterpret_cast<const char*>(w + (OUTS + o) * k + c), _MM_HINT_T0);
@@ -92,9 +96,9 @@ void dot_tile(const float* x, int64_t x_stride, const uint16_t* w, int64_t k,
 template <int ROWS>
 constexpr int kTileOuts = ROWS == 1 ? 8 : 12 / ROWS;
 
-// All `rows` rows for `outs` consecutive channels from w's row 0: tiles of
-// 4 rows (the rest in one smaller tile), then the channels past the last
-// whole tile one at a time.
+// ROWS rows for `outs` consecutive channels from w's row 0: tiles of
+// kTileOuts channels, then the channels past the last whole tile one at a
+// time.
 template <int ROWS>
 void dot_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t k, int64_t outs,
               const uint16_t* bias, uint16_t* out, int64_t out_stride) {
@@ -108,6 +112,7 @@ void dot_rows(const float* x, int64_t x_stride, const uint16_t* w, int64_t k, in
                       out_stride);
 }
 
+// `rows` rows of x for `outs` channels: tiles of 4 rows, the rest in one.
 void dot_block(int64_t rows, const float* x, int64_t x_stride, const uint16_t* w, int64_t k,
                int64_t outs, const uint16_t* bias, uint16_t* out, int64_t out_stride) {
   int64_t r = 0;
@@ -149,7 +154,8 @@ void narrow(const float* in, const uint16_t* bias, int64_t n, uint16_t* out) {
 #pragma GCC pop_options
 
 // From this many rows the float32 GEMM on a widened weight beats the tiles
-// (docs/bench_bf16_linear.md: on the 1b preset's shapes at 16 and 32 rows).
+// (an ad hoc sweep on the 1b preset's shapes: even at 128 rows, mixed at
+// 256, the GEMM 5-25 % faster at 512).
 constexpr int64_t kFloatGemmMinRows = 256;
 // Channels of one unit of work of the tiles (a multiple of every tile's).
 constexpr int64_t kChannelBlock = 24;
@@ -199,7 +205,8 @@ at::Tensor float_gemm_linear(const at::Tensor& x, const at::Tensor& weight,
     const int64_t c = std::min(channels, n - o);
     const uint16_t* w = bits(weight) + o * k;
     float* wp = wf.data_ptr<float>();
-    at::parallel_for(0, c, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    const int64_t widen_grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k));
+    at::parallel_for(0, c, widen_grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) avx2::widen(w + i * k, k, 0, wp + i * k);
     });
     at::Tensor block = yf.narrow(1, 0, c);
@@ -229,7 +236,8 @@ at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& weight,
                                     bias->is_contiguous() && bias->dim() == 1 &&
                                     bias->size(0) == n),
               "bf16_linear: bias must be a contiguous bfloat16 [", n, "]");
-  const at::Tensor rows = x.reshape({-1, k}).contiguous();
+  const int64_t lead = c10::multiply_integers(x.sizes().begin(), x.sizes().end() - 1);
+  const at::Tensor rows = x.reshape({lead, k}).contiguous();
   const uint16_t* bp = bias.has_value() ? bits(*bias) : nullptr;
   const at::Tensor y = rows.size(0) >= kFloatGemmMinRows ? float_gemm_linear(rows, weight, bp)
                                                          : tiled_linear(rows, weight, bp);
