@@ -85,8 +85,9 @@ def key_compile_cache() -> None:
 
 def register() -> None:
     """vLLM plugin entry point: O3's config, model class, metrics and the
-    `o3_int4` quantization method; the AMX tile state where the CPU has it and
-    queue polling that leaves CPU cores to the API server and the model."""
+    `o3_int4` quantization method; the AMX tile state where the CPU has it,
+    queue polling that leaves CPU cores to the API server and the model, and
+    O3's switches in vLLM's compile-cache key."""
     from vllm import ModelRegistry
     from vllm.model_executor.layers.quantization import (
         QUANTIZATION_METHODS,
