@@ -201,17 +201,17 @@ at::Tensor float_gemm_linear(const at::Tensor& x, const at::Tensor& weight,
   at::Tensor yf = at::empty({rows, channels}, xf.options());
   at::Tensor y = at::empty({rows, n}, x.options());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  float* wp = wf.data_ptr<float>();
+  const float* bp = yf.data_ptr<float>();
+  const int64_t widen_grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k));
   for (int64_t o = 0; o < n; o += channels) {
     const int64_t c = std::min(channels, n - o);
     const uint16_t* w = bits(weight) + o * k;
-    float* wp = wf.data_ptr<float>();
-    const int64_t widen_grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, k));
     at::parallel_for(0, c, widen_grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) avx2::widen(w + i * k, k, 0, wp + i * k);
     });
     at::Tensor block = yf.narrow(1, 0, c);
     at::mm_out(block, xf, wf.narrow(0, 0, c).t());
-    const float* bp = yf.data_ptr<float>();
     at::parallel_for(0, rows, std::max<int64_t>(1, 65536 / c), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
         avx2::narrow(bp + r * channels, bias ? bias + o : nullptr, c, yp + r * n + o);
